@@ -1,0 +1,177 @@
+"""Tensor codec: chunk frames on the wire.
+
+A frame is the protobuf encoding of ``shardps.v1.Frame`` with field 1 (the
+small ``ChunkHeader``) followed by field 2 (the raw little-endian payload),
+written by hand so that the payload is copied exactly once, straight from
+the tensor's memory into the frame's ``bytes``. Decoding slices the payload
+as a ``memoryview`` of the received message and reads it with
+``torch.frombuffer``: no copy until the caller copies into its own buffer.
+Frames that do not start with field 1 (the ``RoundHeader`` frame, or a frame
+written by another protobuf runtime) take the ordinary protobuf parser.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    pb.FLOAT32: torch.float32,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.FLOAT16: torch.float16,
+}
+WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+WIRE_DTYPE_NAMES: dict[str, int] = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp16": pb.FLOAT16}
+
+_TAG_HEADER = 0x0A  # field 1, length-delimited
+_TAG_PAYLOAD = 0x12  # field 2, length-delimited
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded or whose payload disagrees with its header."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedFrame:
+    """One decoded frame: either a chunk (``header`` + ``payload``) or a ``round`` header."""
+
+    header: pb.ChunkHeader | None
+    payload: memoryview | None
+    round: pb.RoundHeader | None
+
+
+def wire_dtype(name: str) -> int:
+    """Map ``"fp32" | "bf16" | "fp16"`` to the ``shardps.v1.DType`` value.
+
+    Raises:
+        ValueError: unknown name (the message lists the accepted ones).
+    """
+    try:
+        return WIRE_DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"wire dtype must be one of {sorted(WIRE_DTYPE_NAMES)}, got {name!r}") from None
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise FrameError("truncated varint in frame")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor as a memoryview (no copy).
+
+    Works for every dtype, bf16 included, by viewing it as uint8.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor_bytes needs a CPU tensor, got one on {t.device}")
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def encode_chunk(
+    key: str, offset: int, values: torch.Tensor, version: int, *, checksum: bool = False
+) -> bytes:
+    """Encode one chunk frame.
+
+    Args:
+        key: parameter key.
+        offset: element offset of ``values`` in the flattened parameter.
+        values: 1-D CPU tensor (float32, bfloat16 or float16) with the chunk's elements;
+            its dtype is the wire dtype.
+        version: round (push) or parameter version (pull).
+        checksum: also send the zlib CRC-32 of the payload.
+
+    Returns:
+        ``bytes`` of length ~ ``values.numel() * itemsize + 40``.
+    """
+    payload = tensor_bytes(values)
+    header = pb.ChunkHeader(
+        key=key, offset=offset, numel=values.numel(), dtype=WIRE_DTYPES[values.dtype], version=version
+    )
+    if checksum:
+        header.crc32 = zlib.crc32(payload)
+    hb = header.SerializeToString()
+    return b"".join(
+        (bytes((_TAG_HEADER,)), _varint(len(hb)), hb, bytes((_TAG_PAYLOAD,)), _varint(len(payload)), payload)
+    )
+
+
+def encode_round(header: pb.RoundHeader) -> bytes:
+    """Encode the first frame of an Init/Push/PushPull stream."""
+    return pb.Frame(round=header).SerializeToString()
+
+
+def decode_frame(data: bytes) -> DecodedFrame:
+    """Decode one frame without copying its payload.
+
+    Raises:
+        FrameError: malformed frame.
+    """
+    buf = memoryview(data)
+    if len(buf) and buf[0] == _TAG_HEADER:
+        n, pos = _read_varint(buf, 1)
+        header = pb.ChunkHeader.FromString(buf[pos : pos + n])
+        pos += n
+        if pos == len(buf):
+            return DecodedFrame(header, memoryview(b""), None)
+        if buf[pos] == _TAG_PAYLOAD:
+            n, pos = _read_varint(buf, pos + 1)
+            if pos + n == len(buf):
+                return DecodedFrame(header, buf[pos : pos + n], None)
+    try:
+        frame = pb.Frame.FromString(data)
+    except Exception as exc:  # protobuf raises DecodeError
+        raise FrameError(f"malformed frame ({len(data)} bytes): {exc}") from exc
+    if frame.HasField("round"):
+        return DecodedFrame(None, None, frame.round)
+    if frame.HasField("header"):
+        return DecodedFrame(frame.header, memoryview(frame.payload), None)
+    raise FrameError("frame has neither a chunk header nor a round header")
+
+
+def payload_tensor(header: pb.ChunkHeader, payload: memoryview) -> torch.Tensor:
+    """View a chunk's payload as a 1-D tensor of ``header.numel`` elements (no copy).
+
+    The tensor aliases read-only bytes: copy from it, never write to it.
+
+    Raises:
+        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
+    """
+    dtype = TORCH_DTYPES.get(header.dtype)
+    if dtype is None:
+        raise FrameError(f"chunk of key {header.key!r} has unsupported dtype {header.dtype}")
+    expected = header.numel * dtype.itemsize
+    if len(payload) != expected:
+        raise FrameError(
+            f"chunk of key {header.key!r} at offset {header.offset} declares {header.numel} "
+            f"{dtype} elements ({expected} bytes) but carries {len(payload)} bytes"
+        )
+    if header.HasField("crc32") and zlib.crc32(payload) != header.crc32:
+        raise FrameError(f"chunk of key {header.key!r} at offset {header.offset} fails its CRC-32 check")
+    if expected == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        # bytes are read-only; we only ever read from the tensor.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=dtype)

@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+
+class KeySpec(_message.Message):
+    __slots__ = ("key", "shape", "group")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    group: int
+    def __init__(self, key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., group: _Optional[int] = ...) -> None: ...
+
+class PlanSpec(_message.Message):
+    __slots__ = ("keys", "num_shards", "chunk_bytes")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeySpec]
+    num_shards: int
+    chunk_bytes: int
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("class_name", "group_hyperparams_json")
+    CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HYPERPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    class_name: str
+    group_hyperparams_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, class_name: _Optional[str] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    plan: PlanSpec
+    plan_fingerprint: str
+    optimizer: OptimizerSpec
+    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("initialise", "version", "members", "shard_index")
+    INITIALISE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    initialise: bool
+    version: int
+    members: int
+    shard_index: int
+    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("members",)
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    members: int
+    def __init__(self, members: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INITIALISED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PULL_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    version: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    min_workers: int
+    initialised: bool
+    plan_fingerprint: str
+    optimizer: str
+    num_chunks: int
+    param_bytes: int
+    optimizer_state_bytes: int
+    push_bytes_total: int
+    pull_bytes_total: int
+    pushed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChunkHeader(_message.Message):
+    __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    numel: int
+    dtype: DType
+    version: int
+    crc32: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class RoundHeader(_message.Message):
+    __slots__ = ("worker_id", "round", "lrs", "plan_fingerprint", "pull_dtype")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LRS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    round: int
+    lrs: _containers.RepeatedScalarFieldContainer[float]
+    plan_fingerprint: str
+    pull_dtype: DType
+    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., lrs: _Optional[_Iterable[float]] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("header", "payload", "round")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    payload: bytes
+    round: RoundHeader
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., payload: _Optional[bytes] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("min_version", "plan_fingerprint", "dtype")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    plan_fingerprint: str
+    dtype: DType
+    def __init__(self, min_version: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class InitReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,29 @@
+"""gRPC channel and server options shared by both ends of the wire."""
+
+from __future__ import annotations
+
+#: Default gRPC message limit on both ends, bytes: a 4 MiB chunk plus headroom.
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for ``grpc.server`` and ``grpc.insecure_channel``.
+
+    Message sizes are bounded explicitly (never unlimited), in bytes. Keep-alive
+    pings let either side notice a dead peer on an idle connection.
+
+    Raises:
+        ValueError: ``max_message_bytes`` is not positive or exceeds 1 GiB.
+    """
+    if not 0 < max_message_bytes <= 1 << 30:
+        raise ValueError(f"max_message_bytes must be in (0, 1 GiB], got {max_message_bytes}")
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # servers accept the clients' pings above (the default would GOAWAY them)
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ]

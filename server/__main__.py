@@ -1,0 +1,7 @@
+"""``python -m shardps.server``: same as ``shardps-server``."""
+
+import sys
+
+from shardps.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""A connection to one shard: control calls through the generated stub, Frame streams as raw bytes."""
+
+from __future__ import annotations
+
+import grpc
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto import shardps_pb2_grpc as pb_grpc
+from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+
+
+class ShardRpcError(RuntimeError):
+    """A call to a shard failed; ``code`` is the ``grpc.StatusCode`` and ``details`` the shard's message."""
+
+    def __init__(self, shard: int, address: str, what: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shard {shard} ({address}): {what} failed: {code.name}: {details}")
+        self.shard, self.address, self.code, self.details = shard, address, code, details
+
+
+class ShardClient:
+    """One gRPC channel to shard ``index`` at ``address`` (``host:port``).
+
+    Every call carries a deadline of ``rpc_timeout`` seconds.
+
+    Raises:
+        ConnectionError: the shard did not answer within ``connect_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        index: int,
+        rpc_timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address, self.index, self.rpc_timeout = address, index, rpc_timeout
+        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise ConnectionError(
+                f"shard {index} at {address} did not answer within {connect_timeout:.0f}s; "
+                "is shardps-server running there?"
+            ) from None
+        self.stub = pb_grpc.ShardStub(self.channel)
+        path = f"/{_SERVICE}/"
+        self._init = self.channel.stream_unary(path + "Init", response_deserializer=pb.InitReply.FromString)
+        self._push = self.channel.stream_unary(path + "Push", response_deserializer=pb.PushReply.FromString)
+        self._pull = self.channel.unary_stream(path + "Pull", request_serializer=pb.PullRequest.SerializeToString)
+        self._push_pull = self.channel.stream_stream(path + "PushPull")
+
+    def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
+        """Wrap a gRPC error of call ``what`` with this shard's index and address."""
+        return ShardRpcError(self.index, self.address, what, exc.code(), exc.details())
+
+    def _unary(self, what: str, fn, request, timeout: float | None = None):
+        try:
+            return fn(request, timeout=self.rpc_timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise self.error(what, exc) from None
+
+    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+        """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch)."""
+        return self._unary("join", self.stub.Join, request)
+
+    def leave(self, worker_id: str, timeout: float | None = None) -> pb.LeaveReply:
+        return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id), timeout)
+
+    def stats(self) -> pb.StatsReply:
+        return self._unary("stats", self.stub.Stats, pb.StatsRequest())
+
+    def init(self, frames) -> pb.InitReply:
+        """Send the initial parameters (an iterator of encoded frames, round header first)."""
+        return self._unary("init", self._init, frames)
+
+    def push(self, frames) -> pb.PushReply:
+        """Push one round's gradients (encoded frames, round header first)."""
+        return self._unary("push", self._push, frames)
+
+    def pull(self, request: pb.PullRequest):
+        """Start a pull; iterate the returned call for raw frames (grpc.RpcError on failure)."""
+        return self._pull(request, timeout=self.rpc_timeout)
+
+    def push_pull(self, frames):
+        """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames."""
+        return self._push_pull(frames, timeout=self.rpc_timeout)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,141 @@
+"""``LocalCluster``: shard processes on 127.0.0.1 free ports, for jobs and tests on one machine.
+
+Shards run as ``python -m shardps.server`` subprocesses (the worker package
+never imports the server package).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+class LocalCluster:
+    """Start ``num_shards`` shard processes; use as a context manager.
+
+    Args:
+        num_shards: shard processes to start.
+        min_workers: passed to every shard (rounds wait for this many workers).
+        host: interface to bind.
+        extra_args: more ``shardps-server`` flags for every shard.
+        start_timeout: seconds to wait for every shard to print its address.
+
+    Attributes:
+        addresses: ``host:port`` of each shard, in shard order.
+
+    Raises:
+        RuntimeError: a shard exited or did not report its address in time
+            (the message holds the end of its log).
+    """
+
+    def __init__(
+        self,
+        num_shards: int = 2,
+        *,
+        min_workers: int = 1,
+        host: str = "127.0.0.1",
+        extra_args: tuple[str, ...] = (),
+        start_timeout: float = 60.0,
+    ) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        self.num_shards, self.min_workers, self.host = num_shards, min_workers, host
+        self.extra_args, self.start_timeout = tuple(extra_args), start_timeout
+        self.addresses: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+        self._log_dir: Path | None = None
+
+    @property
+    def servers(self) -> str:
+        """Comma-separated addresses, as ``--servers`` takes them."""
+        return ",".join(self.addresses)
+
+    def log_path(self, shard: int) -> Path:
+        assert self._log_dir is not None
+        return self._log_dir / f"shard-{shard}.log"
+
+    def log_tail(self, shard: int, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path(shard).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def start(self) -> "LocalCluster":
+        self._log_dir = Path(tempfile.mkdtemp(prefix="shardps-cluster-"))
+        try:
+            for i in range(self.num_shards):
+                cmd = [
+                    sys.executable, "-m", "shardps.server", "--host", self.host, "--port", "0",
+                    "--shard-index", str(i), "--num-shards", str(self.num_shards),
+                    "--min-workers", str(self.min_workers), *self.extra_args,
+                ]
+                with open(self.log_path(i), "wb") as err:
+                    self.processes.append(
+                        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+                    )
+            deadline = time.monotonic() + self.start_timeout
+            self.addresses = [self._wait_address(i, deadline) for i in range(self.num_shards)]
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local cluster: %s", self.servers)
+        return self
+
+    def _wait_address(self, shard: int, deadline: float) -> str:
+        proc = self.processes[shard]
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([proc.stdout], [], [], remaining)  # blocking wait for the line
+            if not ready:
+                break
+            line = proc.stdout.readline().decode(errors="replace")
+            if not line:
+                raise RuntimeError(
+                    f"shard {shard} exited with code {proc.wait()} before serving:\n{self.log_tail(shard)}"
+                )
+            if m := _LISTENING.search(line):
+                return m.group(1)
+        raise RuntimeError(f"shard {shard} did not report its address in {self.start_timeout:.0f}s:\n"
+                           f"{self.log_tail(shard)}")
+
+    def stop(self, timeout: float = 15.0) -> list[int | None]:
+        """SIGTERM every shard, wait up to ``timeout`` seconds, SIGKILL the rest.
+
+        Returns:
+            Each shard's exit code (0 is a clean shutdown).
+        """
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.processes:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+            if proc.stdout:
+                proc.stdout.close()
+        self.processes = []
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,352 @@
+"""``DistributedOptimizer``: wraps a plain ``torch.optim`` optimizer so that the shards run it.
+
+The wrapper follows the Horovod/BytePS optimizer wrappers (Sergeev & Del
+Balso, "Horovod", 2018; Jiang et al., "BytePS", OSDI 2020): gradient hooks
+start the communication while backward still runs, ``synchronize()`` waits
+for it, and ``step()`` leaves the parameters updated in place. Unlike them,
+the update itself runs on the shards, which hold the optimizer state (the
+local optimizer never allocates any).
+
+Threads: each step opens one PushPull stream per shard. gRPC's own
+request-consumer thread encodes chunks from a per-shard queue that the
+gradient hooks fill; a small thread pool reads the parameter frames coming
+back. Hooks only slice tensors and enqueue them: no host sync, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.codec import decode_frame, encode_chunk, encode_round, payload_tensor, wire_dtype, TORCH_DTYPES
+from shardps.proto.optim import current_lrs, optimizer_spec
+from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
+from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
+from shardps.worker.client import ShardClient, ShardRpcError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def default_worker_id() -> str:
+    """A worker id unique to this process: ``host-pid-random``."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class _Round:
+    """State of one push/pull round trip across all shards."""
+
+    def __init__(self, num_shards: int) -> None:
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_shards)]
+        self.calls: list = []
+        self.pushed: set[str] = set()
+
+
+class DistributedOptimizer:
+    """Run ``optimizer``'s updates on the shards, synchronously (BSP).
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad or
+            RMSprop) built over the model's parameters. Its class, param-group
+            hyperparameters and current ``lr`` (so LR schedulers attached to it
+            work unchanged) are sent to the shards; its own ``step`` is never
+            called and it never allocates state.
+        named_parameters: ``model.named_parameters()``; the names are the keys.
+        servers: shard addresses ``host:port``, in shard-index order.
+        worker_id: stable id of this worker (default: host-pid-random).
+        chunk_bytes: largest chunk in bytes of fp32 (default 1 MiB); every worker
+            of a job must use the same value.
+        push_dtype, pull_dtype: wire types of gradients and parameters
+            (``"fp32"``, ``"bf16"`` or ``"fp16"``); shards keep fp32 master weights.
+        backward_passes_per_step: backward calls accumulated before gradients are pushed.
+        checksum: send a CRC-32 with every gradient chunk.
+        rpc_timeout: deadline of every call in seconds.
+        connect_timeout: how long to wait for each shard to answer, seconds.
+
+    Parameters must be contiguous tensors of a floating dtype; they may live
+    on CPU or CUDA (chunks cross the wire from CPU memory).
+
+    Raises:
+        ValueError: bad arguments (the message names the fix).
+        shardps.proto.optim.OptimizerSpecError: an optimizer the shards cannot run.
+        ConnectionError: a shard did not answer.
+        ShardRpcError: a shard refused to join (e.g. a plan mismatch).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]],
+        *,
+        servers: list[str] | str,
+        worker_id: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        push_dtype: str = "fp32",
+        pull_dtype: str = "fp32",
+        backward_passes_per_step: int = 1,
+        checksum: bool = False,
+        rpc_timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s]
+        if not servers:
+            raise ValueError("servers must list at least one shard address host:port")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if chunk_bytes + (64 << 10) > max_message_bytes:
+            raise ValueError(f"chunk_bytes {chunk_bytes} does not fit in max_message_bytes {max_message_bytes}")
+        named = list(named_parameters)
+        for name, p in named:
+            if not p.is_floating_point() or not p.is_contiguous():
+                raise ValueError(f"parameter {name!r} must be a contiguous floating-point tensor")
+        self._optimizer = optimizer
+        self._spec = optimizer_spec(optimizer)
+        self.plan = PartitionPlan.build(
+            keys_from_named_parameters(named, optimizer.param_groups), num_shards=len(servers), chunk_bytes=chunk_bytes
+        )
+        self.worker_id = worker_id or default_worker_id()
+        self._push_dtype = TORCH_DTYPES[wire_dtype(push_dtype)]
+        self._pull_code = wire_dtype(pull_dtype)
+        self._passes = backward_passes_per_step
+        self._checksum = checksum
+        self._params = dict(named)
+        self._key_of = {id(p): name for name, p in named}
+        self._chunks_of: dict[str, list[Chunk]] = {}
+        for c in self.plan.chunks:
+            self._chunks_of.setdefault(c.key, []).append(c)
+        self._chunk_at = {(c.key, c.offset): c for c in self.plan.chunks}
+        self._shard_sizes = [len(self.plan.shard_chunks(s)) for s in range(self.plan.num_shards)]
+        self._counts = dict.fromkeys(self._params, 0)
+        self._round: _Round | None = None
+        self._lock = threading.Lock()  # guards self._round between hooks and step()
+        self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
+        self._clients: list[ShardClient] = []
+        self._hooks = []
+        self.versions: list[int] = [0] * len(servers)
+        try:
+            self._clients = list(
+                self._pool.map(
+                    lambda ia: ShardClient(
+                        ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
+                        max_message_bytes=max_message_bytes,
+                    ),
+                    enumerate(servers),
+                )
+            )
+            self.versions = list(self._pool.map(self._join_and_pull, range(len(servers))))
+        except BaseException:
+            self.close()
+            raise
+        for p in self._params.values():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------ joining
+    def _join_and_pull(self, shard: int) -> int:
+        client = self._clients[shard]
+        reply = client.join(
+            pb.JoinRequest(
+                worker_id=self.worker_id,
+                plan=self.plan.to_proto(),
+                plan_fingerprint=self.plan.fingerprint,
+                optimizer=self._spec,
+            )
+        )
+        if reply.initialise:
+            client.init(self._init_frames(shard))
+        return self._pull(shard, min_version=0)
+
+    def _init_frames(self, shard: int) -> Iterator[bytes]:
+        yield encode_round(pb.RoundHeader(worker_id=self.worker_id, plan_fingerprint=self.plan.fingerprint))
+        for c in self.plan.shard_chunks(shard):
+            flat = self._params[c.key].detach().reshape(-1)
+            yield encode_chunk(c.key, c.offset, flat[c.offset : c.offset + c.numel].to("cpu", torch.float32), 0)
+
+    def _pull(self, shard: int, min_version: int) -> int:
+        client = self._clients[shard]
+        call = client.pull(
+            pb.PullRequest(min_version=min_version, plan_fingerprint=self.plan.fingerprint, dtype=self._pull_code)
+        )
+        return self._receive(shard, call, min_version, "pull")
+
+    def _receive(self, shard: int, call, min_version: int, what: str) -> int:
+        """Copy every parameter frame of ``call`` into the model; returns the version received."""
+        version, count = None, 0
+        try:
+            with torch.no_grad():
+                for raw in call:  # blocking reads from the network
+                    frame = decode_frame(raw)
+                    h = frame.header
+                    c = self._chunk_at.get((h.key, h.offset)) if h is not None else None
+                    if c is None or c.shard != shard or c.numel != h.numel:
+                        raise RuntimeError(f"shard {shard} sent a chunk that is not in the partition plan: {h}")
+                    if version is None:
+                        version = h.version
+                    if h.version != version or version < min_version:
+                        raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
+                    flat = self._params[c.key].data.view(-1)
+                    flat[c.offset : c.offset + c.numel].copy_(payload_tensor(h, frame.payload))
+                    count += 1
+        except grpc.RpcError as exc:
+            raise self._clients[shard].error(what, exc) from None
+        if count != self._shard_sizes[shard]:
+            raise RuntimeError(f"shard {shard} sent {count} of {self._shard_sizes[shard]} chunks in its {what}")
+        return min_version if version is None else version
+
+    # ------------------------------------------------------------ pushing
+    def _open_round(self) -> _Round:
+        """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
+        if self._round is None:
+            rnd = _Round(len(self._clients))
+            lrs = current_lrs(self._optimizer)
+            for shard, client in enumerate(self._clients):
+                header = pb.RoundHeader(
+                    worker_id=self.worker_id, round=self.versions[shard], lrs=lrs,
+                    plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
+                )
+                rnd.calls.append(client.push_pull(self._requests(header, rnd.queues[shard])))
+            self._round = rnd
+        return self._round
+
+    def _requests(self, header: pb.RoundHeader, q: queue.SimpleQueue) -> Iterator[bytes]:
+        """Request stream of one shard; runs on gRPC's request-consumer thread."""
+        yield encode_round(header)
+        while (item := q.get()) is not None:  # blocking wait for the hooks
+            chunk, values = item
+            values = values.to("cpu", self._push_dtype)  # host sync for CUDA gradients, off the hook
+            yield encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=self._checksum)
+
+    def _enqueue(self, rnd: _Round, key: str, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            grad = torch.zeros_like(self._params[key])
+        flat = grad.detach().reshape(-1)
+        for c in self._chunks_of.get(key, ()):
+            rnd.queues[c.shard].put((c, flat[c.offset : c.offset + c.numel]))
+        rnd.pushed.add(key)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        key = self._key_of[id(param)]
+        self._counts[key] += 1
+        if self._counts[key] < self._passes:
+            return
+        with self._lock:
+            rnd = self._open_round()
+            if key in rnd.pushed:
+                raise RuntimeError(
+                    f"gradient of {key!r} is ready again before step(): call step() after every "
+                    f"{self._passes} backward pass(es), or raise backward_passes_per_step"
+                )
+            self._enqueue(rnd, key, param.grad)
+
+    # ------------------------------------------------------------ public API
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups (attach LR schedulers to the wrapped optimizer)."""
+        return self._optimizer.param_groups
+
+    @property
+    def version(self) -> int:
+        """The parameter version the model now holds (the lowest over shards)."""
+        return min(self.versions)
+
+    def synchronize(self) -> None:
+        """Push every gradient not pushed yet, wait until each shard has applied the round,
+        and copy the new parameters into the model.
+
+        Parameters without a gradient push zeros. Blocks on the network.
+
+        Raises:
+            ShardRpcError: a shard refused the push or the pull (its message says why).
+            RuntimeError: a shard answered outside the protocol.
+        """
+        with self._lock:
+            rnd = self._open_round()
+            for key, p in self._params.items():
+                if key not in rnd.pushed:
+                    self._enqueue(rnd, key, p.grad)
+            for q in rnd.queues:
+                q.put(None)
+        try:
+            expected = [v + 1 for v in self.versions]
+            futures = [
+                self._pool.submit(self._receive, s, call, expected[s], "push_pull") for s, call in enumerate(rnd.calls)
+            ]
+            versions = [f.result() for f in futures]  # blocking wait for every shard
+        except BaseException:
+            for call in rnd.calls:
+                call.cancel()
+            raise
+        finally:
+            with self._lock:
+                self._round = None
+                self._counts = dict.fromkeys(self._counts, 0)
+        self.versions = versions
+
+    def step(self, closure=None):
+        """Synchronize this round: push gradients, pull the updated parameters into the model.
+
+        Returns:
+            ``closure()``'s loss, if a closure is given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        # Tell LR schedulers attached to the wrapped optimizer that a step happened.
+        self._optimizer._opt_called = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients, like ``torch.optim.Optimizer.zero_grad``.
+
+        Raises:
+            RuntimeError: gradients of this step are still being pushed (call step() first).
+        """
+        if self._round is not None:
+            raise RuntimeError("zero_grad() while gradients are being pushed: call step() or synchronize() first")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def stats(self) -> list[pb.StatsReply]:
+        """Each shard's Stats reply, in shard order."""
+        return [c.stats() for c in self._clients]
+
+    def close(self) -> None:
+        """Leave every shard (rounds stop waiting for this worker), remove hooks, close channels."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        with self._lock:
+            rnd, self._round = self._round, None
+        if rnd is not None:
+            for q in rnd.queues:
+                q.put(None)
+            for call in rnd.calls:
+                call.cancel()
+        for client in self._clients:
+            try:
+                client.leave(self.worker_id, timeout=5.0)
+            except ShardRpcError as exc:
+                log.warning("leaving shard %d failed: %s", client.index, exc)
+            client.close()
+        self._clients = []
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "DistributedOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
