@@ -1,0 +1,67 @@
+"""The main job, run exactly as a user runs it: the ``shardps`` CLI with worker and shard processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from shardps.worker.client import ShardClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardps.worker.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_main_job_reaches_accuracy(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    proc = run_cli("train", "digits", "--report", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["test_accuracy"] >= 0.95
+    assert report["workers"] == 2 and report["shards"] == 2 and report["mode"] == "sync"
+    assert report["steps"] == report["version"] > 0
+    assert report["wall_seconds"] < 180
+    for key in ("final_loss", "steps", "wall_seconds"):
+        assert key in report
+    assert "test accuracy" in proc.stdout and "train digits" in proc.stderr  # result line and progress bar
+
+
+def test_job_against_running_shards(start_cluster, tmp_path: Path) -> None:
+    cluster = start_cluster(3, min_workers=2)
+    report_path = tmp_path / "report.json"
+    proc = run_cli("train", "digits", "--servers", cluster.servers, "--epochs", "2", "--no-progress",
+                   "--report", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["shards"] == 3 and report["servers"] == cluster.servers
+    for i, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=i)
+        stats = client.stats()
+        client.close()
+        assert stats.version == report["steps"]
+        assert list(stats.members) == []  # both workers left cleanly
+        assert stats.optimizer == "AdamW" and stats.optimizer_state_bytes > 0
+
+
+def test_cli_rejects_bad_input() -> None:
+    proc = run_cli("train", "digits", "--servers", "nonsense")
+    assert proc.returncode == 2 and "is not host:port" in proc.stderr
+    proc = run_cli("train", "digits", "--workers", "0")
+    assert proc.returncode == 1 and "workers must be >= 1" in proc.stderr
+
+
+def test_readme_example_runs(start_cluster) -> None:
+    cluster = start_cluster(2)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "minimal.py"), "--servers", cluster.servers, "--steps", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loss = float(proc.stdout.split("final loss ")[1].split()[0])
+    assert loss < 0.5 and "version 60" in proc.stdout

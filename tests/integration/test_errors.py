@@ -1,0 +1,172 @@
+"""Bad input gets a clear gRPC status and leaves the shard's state untouched (real shard processes)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.codec import encode_chunk, encode_round
+from shardps.proto.optim import optimizer_spec
+from shardps.proto.plan import KeyInfo, PartitionPlan
+from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.optimizer import DistributedOptimizer
+
+CHUNK_BYTES = 256
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(20, 10)  # weight: 200 elements = 4 chunks of 64 (last 8); bias: 1 chunk
+
+
+@pytest.fixture
+def joined(start_cluster):
+    """One shard with one joined worker ``w0``; yields (cluster, dist, raw client)."""
+    cluster = start_cluster(1)
+    m = model()
+    dist = DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(),
+        servers=cluster.addresses, worker_id="w0", chunk_bytes=CHUNK_BYTES,
+    )
+    client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=10.0)
+    yield cluster, dist, m, client
+    client.close()
+    dist.close()
+
+
+def pull_params(client: ShardClient, fingerprint: str) -> bytes:
+    return b"".join(client.pull(pb.PullRequest(min_version=0, plan_fingerprint=fingerprint)))
+
+
+def push_frames(dist: DistributedOptimizer, chunks: list[tuple[str, int, torch.Tensor]], round_: int = 0):
+    yield encode_round(
+        pb.RoundHeader(worker_id="w0", round=round_, lrs=[0.1], plan_fingerprint=dist.plan.fingerprint)
+    )
+    for key, offset, values in chunks:
+        yield encode_chunk(key, offset, values, round_)
+
+
+def good_chunks(dist: DistributedOptimizer) -> list[tuple[str, int, torch.Tensor]]:
+    return [(c.key, c.offset, torch.full((c.numel,), 0.5)) for c in dist.plan.chunks]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda ch: [("nope.weight", 0, torch.ones(64)), *ch[1:]], "unknown key 'nope.weight'"),
+        (lambda ch: [(ch[0][0], ch[0][1], torch.ones(63)), *ch[1:]], "has 63 elements; the partition plan says 64"),
+        (lambda ch: [(ch[0][0], 5, ch[0][2]), *ch[1:]], "no chunk starting at element 5"),
+        (lambda ch: ch[:-1], "1 of 5 chunks missing"),
+        (lambda ch: [ch[0], *ch], "sent twice"),
+        (lambda ch: [(ch[0][0], 0, torch.full((64,), float("nan"))), *ch[1:]], "NaN or Inf"),
+    ],
+)
+def test_bad_push_is_rejected_and_changes_nothing(joined, mutate, message) -> None:
+    _, dist, _, client = joined
+    before_stats = client.stats()
+    before = pull_params(client, dist.plan.fingerprint)
+    with pytest.raises(ShardRpcError) as err:
+        client.push(push_frames(dist, mutate(good_chunks(dist))))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details
+    after_stats = client.stats()
+    assert after_stats.version == before_stats.version == 0
+    assert list(after_stats.pushed) == []
+    assert pull_params(client, dist.plan.fingerprint) == before
+    # the shard still works: a correct push of the same round is accepted and applied
+    assert client.push(push_frames(dist, good_chunks(dist))).version == 1
+
+
+def test_push_of_wrong_round_or_non_member(joined) -> None:
+    _, dist, _, client = joined
+    with pytest.raises(ShardRpcError, match="pushed round 3 but the shard is collecting round 0") as err:
+        client.push(push_frames(dist, good_chunks(dist), round_=3))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    frames = list(push_frames(dist, good_chunks(dist)))
+    frames[0] = encode_round(pb.RoundHeader(worker_id="stranger", lrs=[0.1], plan_fingerprint=dist.plan.fingerprint))
+    with pytest.raises(ShardRpcError, match="not a member"):
+        client.push(iter(frames))
+    assert client.stats().version == 0
+
+
+def test_duplicate_push_is_not_double_counted(joined) -> None:
+    _, dist, m, client = joined
+    for _ in range(2):
+        assert client.push(push_frames(dist, good_chunks(dist))).version == 1
+    assert client.stats().version == 1
+    # a retry of round 0 after it was applied is still ignored
+    assert client.push(push_frames(dist, good_chunks(dist))).version == 1
+
+
+def test_rejected_optimizer(start_cluster) -> None:
+    cluster = start_cluster(1)
+    m = model()
+    plan = PartitionPlan.build([KeyInfo("weight", (10, 20), 0), KeyInfo("bias", (10,), 0)], num_shards=1,
+                               chunk_bytes=CHUNK_BYTES)
+    client = ShardClient(cluster.addresses[0], index=0)
+    try:
+        for name in ("LAMB", "LBFGS"):
+            spec = pb.OptimizerSpec(class_name=name, group_hyperparams_json=['{"lr": 0.1}'])
+            with pytest.raises(ShardRpcError, match="only element-wise optimizers") as err:
+                client.join(pb.JoinRequest(worker_id="w", plan=plan.to_proto(), plan_fingerprint=plan.fingerprint,
+                                           optimizer=spec))
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        stats = client.stats()
+        assert list(stats.members) == [] and stats.plan_fingerprint == ""
+        # the worker API refuses before any call
+        with pytest.raises(ValueError, match="element-wise"):
+            DistributedOptimizer(torch.optim.LBFGS(m.parameters()), m.named_parameters(),
+                                 servers=cluster.addresses)
+        # and the same shard then accepts a shardable optimizer
+        good = optimizer_spec(torch.optim.Adam(m.parameters()))
+        reply = client.join(pb.JoinRequest(worker_id="w", plan=plan.to_proto(), plan_fingerprint=plan.fingerprint,
+                                           optimizer=good))
+        assert reply.initialise
+    finally:
+        client.close()
+
+
+def test_plan_mismatch_is_rejected(joined) -> None:
+    cluster, dist, _, client = joined
+    other = nn.Linear(20, 11)  # different shapes -> different plan
+    with pytest.raises(ShardRpcError, match="partition plan fingerprint") as err:
+        DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9), other.named_parameters(),
+                             servers=cluster.addresses, worker_id="w1", chunk_bytes=CHUNK_BYTES)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    same = model()
+    with pytest.raises(ShardRpcError, match="partition plan fingerprint"):  # same model, other chunk size
+        DistributedOptimizer(torch.optim.SGD(same.parameters(), lr=0.1, momentum=0.9), same.named_parameters(),
+                             servers=cluster.addresses, worker_id="w2", chunk_bytes=512)
+    with pytest.raises(ShardRpcError, match="every worker must build the same optimizer"):
+        DistributedOptimizer(torch.optim.Adam(same.parameters(), lr=0.1), same.named_parameters(),
+                             servers=cluster.addresses, worker_id="w3", chunk_bytes=CHUNK_BYTES)
+    stats = client.stats()
+    assert list(stats.members) == ["w0"] and stats.plan_fingerprint == dist.plan.fingerprint
+
+
+def test_wrong_number_of_shards_is_rejected(start_cluster) -> None:
+    cluster = start_cluster(2)
+    m = model()
+    with pytest.raises(ShardRpcError, match="pass the addresses of all 2 shards"):
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                             servers=cluster.addresses[:1])
+
+
+def test_unreachable_shard_fails_fast() -> None:
+    m = model()
+    with pytest.raises(ConnectionError, match="did not answer"):
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                             servers=["127.0.0.1:1"], connect_timeout=1.0)
+
+
+def test_zero_grad_with_pushes_in_flight_raises(joined) -> None:
+    _, dist, m, _ = joined
+    m(torch.randn(4, 20)).sum().backward()  # hooks start the pushes
+    with pytest.raises(RuntimeError, match="call step"):
+        dist.zero_grad()
+    dist.step()
+    dist.zero_grad()
+    assert dist.version == 1
