@@ -26,11 +26,12 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import TORCH_DTYPES
-from shardps.proto.optim import OptimizerSpecError, build_optimizer, check_shardable
+from shardps.proto.optim import OptimizerSpecError, check_shardable
 from shardps.proto.plan import PartitionPlan
 from shardps.server.chunks import ChunkTable
 from shardps.server.config import ShardConfig
 from shardps.server.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from shardps.server.optimizer import ShardOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ class ShardStore:
         self._table: ChunkTable | None = None
         self._spec: pb.OptimizerSpec | None = None
         self._params: dict[int, torch.Tensor] = {}
-        self._grads: dict[int, torch.Tensor] = {}
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer: ShardOptimizer | None = None
         self._initialiser: str | None = None
         self._initialised = False
         self._members: dict[str, _Member] = {}
@@ -126,13 +126,10 @@ class ShardStore:
                 table = ChunkTable(plan, cfg.shard_index)
                 params = table.allocate()
                 try:
-                    optimizer = build_optimizer(spec, sorted(params.items()))
+                    optimizer = ShardOptimizer(spec, params)
                 except OptimizerSpecError as exc:
                     raise InvalidArgument(str(exc)) from exc
                 self._table, self._spec, self._params, self._optimizer = table, spec, params, optimizer
-                self._grads = table.allocate()
-                for g, p in params.items():
-                    p.grad = self._grads[g]
                 log.info(
                     "shard %d: plan %s, %d chunks, %d elements, optimizer %s",
                     cfg.shard_index, plan.fingerprint, len(table.chunks), table.numel, spec.class_name,
@@ -269,16 +266,14 @@ class ShardStore:
         lrs = self._pushed[workers[0]]
         if any(self._pushed[w] != lrs for w in workers):
             log.warning("round %d: workers pushed different learning rates; using %s's", self.version, workers[0])
-        for g, grad in self._grads.items():
-            grad.copy_(self._members[workers[0]].staging[g])
-            for w in workers[1:]:
-                grad.add_(self._members[w].staging[g])
-            grad.div_(len(workers))
-        if self._optimizer is not None:
-            groups = sorted(self._params)
-            for local, g in enumerate(groups):
-                self._optimizer.param_groups[local]["lr"] = lrs[g]
-            self._optimizer.step()
+        # Average in place in the first worker's staging buffers (rewritten by its next push).
+        grads = self._members[workers[0]].staging
+        if len(workers) > 1:
+            for g, grad in grads.items():
+                for w in workers[1:]:
+                    grad.add_(self._members[w].staging[g])
+                grad.mul_(1.0 / len(workers))
+        self._optimizer.step(grads, lrs)
         self._pushed.clear()
         self.version += 1
         self._counters.rounds += 1
@@ -355,10 +350,7 @@ class ShardStore:
 
     def stats(self) -> pb.StatsReply:
         with self._cond:
-            state_bytes = 0
-            if self._optimizer is not None:
-                for st in self._optimizer.state.values():
-                    state_bytes += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+            state_bytes = self._optimizer.state_bytes() if self._optimizer else 0
             return pb.StatsReply(
                 shard_index=self.config.shard_index,
                 num_shards=self.config.num_shards,
