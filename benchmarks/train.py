@@ -67,7 +67,7 @@ def _worker(rank: int, system: str, endpoint: str, steps: int, per_worker: int, 
     if system == "shardps":
         from shardps.worker import DistributedOptimizer
 
-        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), model.named_parameters(),
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
                                    servers=endpoint, worker_id=f"bench-{rank}")
         net = model
     else:
@@ -76,9 +76,9 @@ def _worker(rank: int, system: str, endpoint: str, steps: int, per_worker: int, 
 
         net = DistributedDataParallel(model)
         if system == "ddp":
-            opt = torch.optim.AdamW(net.parameters(), lr=LR)
+            opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         else:
-            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
     loss_fn = nn.CrossEntropyLoss()
     start = 0.0
     for step in range(steps):

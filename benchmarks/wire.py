@@ -6,10 +6,13 @@
 parameters of 4 M elements), SGD. The shardps figure is the effective
 rate 2 x model bytes / round time (gradients go out, parameters come back).
 Ceilings, measured in the same run against a separate process:
-- gRPC: a raw-bytes client stream of the same 64 MiB in 1 MiB messages to a
+- gRPC: a raw-bytes client stream of the same 64 MiB, in messages of the same size
+  as shardps' chunks (``--chunk-bytes``, default 4 MiB), to a
   do-nothing server (python grpcio, identity serializers);
 - TCP: the same bytes over a plain loopback socket.
-Each figure is the median of ``--repeats`` runs after one warm-up.
+The three are measured interleaved (TCP, gRPC, shardps, TCP, ...) so that
+they see the same machine; each figure is the median of ``--repeats`` runs
+after one warm-up. bf16 on the wire is measured after, on fresh shards.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from shardps.proto.transport import channel_options  # noqa: E402
 from shardps.worker import DistributedOptimizer, LocalCluster  # noqa: E402
 
 MODEL_BYTES = 64 << 20
-CHUNK = 1 << 20
 
 
 def _grpc_sink(conn) -> None:
@@ -65,101 +67,122 @@ def _tcp_sink(conn) -> None:
                 return
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def grpc_ceiling(repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_grpc_sink, args=(child,))
-    proc.start()
-    try:
-        port = parent.recv()
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-        push = channel.stream_unary("/bench.Sink/Push")
-        payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()
-        messages = lambda: (payload[i : i + CHUNK].tobytes() for i in range(0, MODEL_BYTES, CHUNK))  # noqa: E731
-        seconds = _median_seconds(lambda: push(messages(), timeout=60), repeats)
-        channel.close()
-    finally:
-        parent.send("stop")
-        proc.join(10)
-    return MODEL_BYTES / seconds / 1e9
+class _Sink:
+    """A do-nothing server in a separate process: ``kind`` is "grpc" or "tcp"."""
+
+    def __init__(self, kind: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.kind = kind
+        self.proc = ctx.Process(target=_grpc_sink if kind == "grpc" else _tcp_sink, args=(child,))
+        self.proc.start()
+        self.port = self.conn.recv()
+
+    def close(self) -> None:
+        if self.kind == "grpc":
+            self.conn.send("stop")
+        else:
+            socket.create_connection(("127.0.0.1", self.port)).close()  # an empty connection stops it
+        self.proc.join(10)
 
 
-def tcp_ceiling(repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_tcp_sink, args=(child,))
-    proc.start()
-    port = parent.recv()
-    payload = memoryview(torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy())
+def grpc_sender(port: int, chunk: int, payload) -> callable:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    push = channel.stream_unary("/bench.Sink/Push")
+    return lambda: push((payload[i : i + chunk].tobytes() for i in range(0, MODEL_BYTES, chunk)), timeout=60)
 
+
+def tcp_sender(port: int, payload) -> callable:
     def send() -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(payload)
+            sock.sendall(memoryview(payload))
             sock.shutdown(socket.SHUT_WR)
             sock.recv(1)
 
-    try:
-        seconds = _median_seconds(send, repeats)
-    finally:
-        socket.create_connection(("127.0.0.1", port)).close()  # empty connection stops the sink
-        proc.join(10)
-    return MODEL_BYTES / seconds / 1e9
+    return send
 
 
-def shardps_round(repeats: int, push_dtype: str = "fp32", pull_dtype: str = "fp32") -> float:
+def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtype: str):
+    """A DistributedOptimizer over a 64 MiB model and a function running one sync round trip."""
     params = [torch.nn.Parameter(torch.randn(MODEL_BYTES // 16)) for _ in range(4)]
     named = [(f"layer{i}.weight", p) for i, p in enumerate(params)]
-    with LocalCluster(2) as cluster:
-        opt = torch.optim.SGD(params, lr=1e-6)
-        with DistributedOptimizer(opt, named, servers=cluster.addresses, push_dtype=push_dtype,
-                                  pull_dtype=pull_dtype) as dist:
-            def round_trip() -> None:
-                for p in params:
-                    p.grad = torch.ones_like(p)
-                dist.step()
+    dist = DistributedOptimizer(torch.optim.SGD(params, lr=1e-6), named, servers=cluster.addresses,
+                                chunk_bytes=chunk, push_dtype=push_dtype, pull_dtype=pull_dtype)
 
-            seconds = _median_seconds(round_trip, repeats)
-    return 2 * MODEL_BYTES / seconds / 1e9
+    def round_trip() -> None:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        dist.step()
+
+    return dist, round_trip
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                   help="shardps chunk size and the ceiling's message size, bytes (default 1 MiB)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    tcp = tcp_ceiling(args.repeats)
-    ceiling = grpc_ceiling(args.repeats)
-    ours = shardps_round(args.repeats)
-    bf16 = shardps_round(args.repeats, "bf16", "bf16")
+    payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()
+    sinks = [_Sink("grpc"), _Sink("tcp")]
+    try:
+        with LocalCluster(2) as cluster:
+            senders = {
+                "grpc": grpc_sender(sinks[0].port, args.chunk_bytes, payload),
+                "tcp": tcp_sender(sinks[1].port, payload),
+            }
+            dist, senders["shardps"] = shardps_rounds(cluster, args.chunk_bytes, "fp32", "fp32")
+            times: dict[str, list[float]] = {k: [] for k in senders}
+            for _ in range(args.repeats + 1):  # interleaved, so all three see the same machine; first is warm-up
+                for name, fn in senders.items():
+                    times[name].append(_seconds(fn))
+            dist.close()
+        with LocalCluster(2) as cluster:
+            dist, bf16 = shardps_rounds(cluster, args.chunk_bytes, "bf16", "bf16")
+            bf16_times = [_seconds(bf16) for _ in range(args.repeats + 1)]
+            dist.close()
+    finally:
+        for sink in sinks:
+            sink.close()
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    ours = 2 * MODEL_BYTES / med["shardps"] / 1e9
+    ceiling = MODEL_BYTES / med["grpc"] / 1e9
+    tcp = MODEL_BYTES / med["tcp"] / 1e9
+    bf16_gbps = 2 * MODEL_BYTES / statistics.median(bf16_times[1:]) / 1e9
+    pair = statistics.median(
+        (2 * MODEL_BYTES / s) / (MODEL_BYTES / g) for s, g in zip(times["shardps"][1:], times["grpc"][1:])
+    )
     result = {
         "model_bytes": MODEL_BYTES,
-        "chunk_bytes": CHUNK,
+        "chunk_bytes": args.chunk_bytes,
+        "repeats": args.repeats,
         "shardps_gbps": ours,
-        "shardps_bf16_wire_gbps": bf16,
+        "shardps_bf16_wire_gbps": bf16_gbps,
         "grpc_ceiling_gbps": ceiling,
         "tcp_ceiling_gbps": tcp,
         "ratio_to_grpc": ours / ceiling,
+        "ratio_to_grpc_paired_median": pair,
         "ratio_to_tcp": ours / tcp,
+        "round_seconds": times["shardps"][1:],
+        "grpc_seconds": times["grpc"][1:],
     }
     print(table(
         [
             ["shardps sync push+pull (2 shards)", f"{ours:.2f}", f"{ours / ceiling:.2f}"],
-            ["shardps, bf16 on the wire (fp32-equivalent)", f"{bf16:.2f}", f"{bf16 / ceiling:.2f}"],
+            ["shardps, bf16 on the wire (fp32-equivalent)", f"{bf16_gbps:.2f}", f"{bf16_gbps / ceiling:.2f}"],
             ["raw-bytes gRPC client stream", f"{ceiling:.2f}", "1.00"],
             ["raw TCP socket", f"{tcp:.2f}", f"{tcp / ceiling:.2f}"],
         ],
-        ["64 MiB fp32 model, loopback", "GB/s", "x gRPC"],
+        [f"64 MiB fp32 model, {args.chunk_bytes >> 10} KiB chunks", "GB/s", "x gRPC"],
     ))
+    print(f"paired median ratio shardps / gRPC: {pair:.2f}")
     emit(result, args.json)
 
 

@@ -5,6 +5,7 @@ Knows the partition plan and the codec, nothing of gRPC or of rounds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from threading import Condition
 
@@ -74,7 +75,13 @@ class ChunkTable:
         return index
 
     def receive(
-        self, raw_frames: Iterable[bytes], version: int, into: dict[int, torch.Tensor], *, what: str
+        self,
+        raw_frames: Iterable[bytes],
+        version: int,
+        into: dict[int, torch.Tensor],
+        *,
+        what: str,
+        reject_nonfinite: bool = False,
     ) -> int:
         """Decode every chunk frame of one stream into ``into``.
 
@@ -84,6 +91,10 @@ class ChunkTable:
 
         Returns:
             Payload bytes received.
+
+        With ``reject_nonfinite``, a chunk holding NaN or Inf is rejected as it
+        arrives (a cache-hot ``sum`` per chunk; the exact ``isfinite`` test runs
+        only when that sum is not finite).
 
         Raises:
             InvalidArgument: the first bad frame, or chunks missing at the end
@@ -107,7 +118,12 @@ class ChunkTable:
             if seen[index]:
                 raise InvalidArgument(f"{what}: chunk of key {h.key!r} at element {h.offset} was sent twice")
             seen[index] = 1
-            self.view(into, self.chunks[index]).copy_(values)
+            dst = self.view(into, self.chunks[index])
+            dst.copy_(values)
+            if reject_nonfinite and not math.isfinite(dst.sum().item()) and not bool(torch.isfinite(dst).all()):
+                raise InvalidArgument(
+                    f"{what}: gradient of key {h.key!r} (elements {h.offset}..{h.offset + h.numel}) holds NaN or Inf"
+                )
             received += len(frame.payload)
         missing = [c for c, s in zip(self.chunks, seen) if not s]
         if missing:
@@ -117,15 +133,6 @@ class ChunkTable:
                 f"(first: key {first.key!r} at element {first.offset}); send every chunk of this shard"
             )
         return received
-
-    def first_nonfinite(self, buffers: dict[int, torch.Tensor]) -> Chunk | None:
-        """The first chunk holding NaN or Inf, or None. One host-side pass over the buffers."""
-        if all(bool(torch.isfinite(b).all()) for b in buffers.values()):
-            return None
-        for c in self.chunks:
-            if not bool(torch.isfinite(self.view(buffers, c)).all()):
-                return c
-        return None  # unreachable: some buffer held a non-finite value
 
     def frames(
         self, buffers: dict[int, torch.Tensor], version: int, dtype: torch.dtype, lock: Condition, check

@@ -237,12 +237,9 @@ class ShardStore:
                 member.staging = self._table.allocate()
             table, staging = self._table, member.staging
         try:  # without the lock: only this call writes this member's staging buffers
-            received = table.receive(raw_frames, rnd, staging, what=f"push of round {rnd}")
-            if self.config.reject_nonfinite and (bad := table.first_nonfinite(staging)) is not None:
-                raise InvalidArgument(
-                    f"push of round {rnd}: gradient of key {bad.key!r} (elements {bad.offset}.."
-                    f"{bad.offset + bad.numel}) holds NaN or Inf"
-                )
+            received = table.receive(
+                raw_frames, rnd, staging, what=f"push of round {rnd}", reject_nonfinite=self.config.reject_nonfinite
+            )
         finally:
             with self._cond:
                 member.pushing = False
