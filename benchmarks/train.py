@@ -1,23 +1,34 @@
 """Training benchmark: shardps sync vs torch DDP (Gloo) vs DDP + ZeroRedundancyOptimizer, one run.
 
-    python benchmarks/train.py [--json PATH] [--steps 50] [--batch-size 64]
+    python benchmarks/train.py [--json PATH] [--model transformer|mlp] [--steps 50] [--batch-size N]
 
-2 worker processes train the same MLP (1024 -> 2048 -> 2048 -> 2048 -> 10,
-10.5 M parameters) with AdamW on the same synthetic batches (each worker
-its half of every global batch), one torch thread per worker:
+2 worker processes train the same model with AdamW (fused, lr 1e-3) on the
+same synthetic batches (each worker its half of every global batch), one
+torch thread per worker:
 
+- transformer (default): a 6-layer pre-norm causal Transformer LM, d_model
+  384, 6 heads, vocabulary 8192, context 64 (17.0 M parameters), 32
+  sequences per worker per step;
+- mlp: 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5 M parameters), 64 samples
+  per worker per step: far less compute per parameter, so it shows the
+  communication-bound end.
+
+Systems:
 - shardps: sync (BSP), 2 shard processes on 127.0.0.1 holding the weights
-  and the AdamW moments;
-- ddp: DistributedDataParallel over Gloo, AdamW on every worker;
-- zero: DDP + ZeroRedundancyOptimizer(AdamW) (ZeRO stage 1, Rajbhandari et
-  al., SC 2020).
+  and the AdamW moments; pulls overlap the next forward (``model=``);
+- ddp: DistributedDataParallel over Gloo (``gradient_as_bucket_view=True``),
+  AdamW on every worker;
+- zero: the same DDP + ZeroRedundancyOptimizer(AdamW) (ZeRO stage 1,
+  Rajbhandari et al., SC 2020).
 
-Figures per system: samples/s over the timed steps (all but the first 5),
-``final_loss`` (cross-entropy of a fixed 256-sample batch with the final
-parameters), each worker's peak resident memory (``peak_rss_bytes``, the
-larger of the two) and ``model_state_bytes``: the peak RSS minus the RSS
-just before the model was built (params, grads, DDP buckets, optimizer
-state and communication buffers), the larger of the two workers.
+Figures per system: samples/s over the timed steps (all but the first 5;
+a sample is one sequence or one image), ``final_loss`` (loss of a fixed
+held-out batch with the final parameters), ``model_state_bytes`` (bytes of
+the distinct tensor storages a worker holds for parameters, gradients and
+optimizer state, counted from the live objects after the last step),
+``peak_rss_bytes`` (peak resident memory) and ``rss_growth_bytes`` (peak RSS
+minus RSS just before the model was built: model state plus communication
+buffers and allocator slack), the larger of the two workers for each.
 """
 
 from __future__ import annotations
@@ -39,65 +50,122 @@ from torch import nn  # noqa: E402
 
 WORKERS = 2
 WARMUP = 5
-D_IN, HIDDEN, CLASSES = 1024, 2048, 10
 LR = 1e-3
+VOCAB, D_MODEL, LAYERS, HEADS, CONTEXT = 8192, 384, 6, 6, 64
+D_IN, HIDDEN, CLASSES = 1024, 2048, 10
+DEFAULT_BATCH = {"transformer": 32, "mlp": 64}
 
 
-def make_model() -> nn.Module:
+class TinyLM(nn.Module):
+    """Causal Transformer LM: tokens ``[B, T]`` int64 -> logits ``[B, T, VOCAB]`` float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Parameter(torch.randn(CONTEXT, D_MODEL) * 0.02)
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, 4 * D_MODEL, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "transformer":
+        return TinyLM()
     return nn.Sequential(
         nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
         nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES),
     )
 
 
-def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(kind: str, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of global batch ``step`` (deterministic)."""
     g = torch.Generator().manual_seed(step)
+    if kind == "transformer":
+        tokens = torch.randint(0, VOCAB, (rows, CONTEXT + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(rows, D_IN, generator=g), torch.randint(0, CLASSES, (rows,), generator=g)
 
 
-def _worker(rank: int, system: str, endpoint: str, steps: int, per_worker: int, out_dir: str) -> None:
+def loss_of(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = net(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def state_bytes(tensors) -> int:
+    """Bytes of the distinct storages among ``tensors`` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(opt) -> list:
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps the local shard's optimizer in .optim
+    inner = getattr(inner, "_optimizer", inner)  # DistributedOptimizer wraps the user's optimizer
+    return [v for st in inner.state.values() for v in st.values()]
+
+
+def _worker(
+    rank: int, kind: str, system: str, endpoint: str, steps: int, per_worker: int, chunk_bytes: int, out_dir: str
+) -> None:
     torch.set_num_threads(1)
     if system in ("ddp", "zero"):
         dist.init_process_group("gloo", init_method=f"tcp://{endpoint}", rank=rank, world_size=WORKERS,
-                                timeout=datetime.timedelta(seconds=120))
-    eval_x, eval_y = batch(10_000, 256)
+                                timeout=datetime.timedelta(seconds=300))
+    eval_x, eval_y = batch(kind, 10_000, 2 * per_worker)
     baseline = current_rss_bytes()
-    model = make_model()
+    model = make_model(kind)
     if system == "shardps":
         from shardps.worker import DistributedOptimizer
 
-        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
-                                   servers=endpoint, worker_id=f"bench-{rank}")
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
+                                   model.named_parameters(), servers=endpoint, worker_id=f"bench-{rank}",
+                                   model=model, chunk_bytes=chunk_bytes)
         net = model
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(model)
+        net = DistributedDataParallel(model, gradient_as_bucket_view=True)
         if system == "ddp":
             opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         else:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
-    loss_fn = nn.CrossEntropyLoss()
     start = 0.0
     for step in range(steps):
         if step == WARMUP:
             start = time.perf_counter()
-        x, y = batch(step, WORKERS * per_worker)
+        x, y = batch(kind, step, WORKERS * per_worker)
         mine = slice(rank * per_worker, (rank + 1) * per_worker)
         opt.zero_grad()
-        loss_fn(net(x[mine]), y[mine]).backward()
+        loss_of(kind, net, x[mine], y[mine]).backward()
         opt.step()
+    if system == "shardps":
+        opt.synchronize()  # the last pull may still be landing
     seconds = time.perf_counter() - start
+    held = state_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *_optimizer_tensors(opt)])
     with torch.no_grad():
-        final_loss = loss_fn(model(eval_x), eval_y).item()
+        final_loss = loss_of(kind, model, eval_x, eval_y).item()
     peak = peak_rss_bytes()
     if system == "shardps":
         opt.close()
     else:
         dist.destroy_process_group()
-    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline}")
+    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held}")
 
 
 def free_port() -> int:
@@ -106,14 +174,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(system: str, steps: int, per_worker: int) -> dict:
+def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -> dict:
     from shardps.worker import LocalCluster
 
     with tempfile.TemporaryDirectory() as out:
         cluster = LocalCluster(2, min_workers=WORKERS).start() if system == "shardps" else None
         endpoint = cluster.servers if cluster else f"127.0.0.1:{free_port()}"
         try:
-            mp.start_processes(_worker, args=(system, endpoint, steps, per_worker, out), nprocs=WORKERS,
+            mp.start_processes(_worker, args=(kind, system, endpoint, steps, per_worker, chunk_bytes, out), nprocs=WORKERS,
                                start_method="spawn")
         finally:
             if cluster:
@@ -126,35 +194,42 @@ def run(system: str, steps: int, per_worker: int) -> dict:
         "samples_per_s": WORKERS * per_worker * (steps - WARMUP) / seconds,
         "final_loss": losses[0],
         "peak_rss_bytes": max(int(r[2]) for r in rows),
-        "model_state_bytes": max(int(r[3]) for r in rows),
+        "rss_growth_bytes": max(int(r[3]) for r in rows),
+        "model_state_bytes": max(int(r[4]) for r in rows),
     }
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=64, help="samples per worker per step")
+    p.add_argument("--batch-size", type=int, help="samples per worker per step (default 32 sequences / 64 images)")
     p.add_argument("--systems", default="shardps,ddp,zero")
+    p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
     args = p.parse_args()
     if args.steps <= WARMUP:
         p.error(f"--steps must exceed the {WARMUP} warm-up steps")
-    params = sum(q.numel() for q in make_model().parameters())
+    per_worker = args.batch_size or DEFAULT_BATCH[args.model]
+    params = sum(q.numel() for q in make_model(args.model).parameters())
+    print(f"{args.model}: {params / 1e6:.1f} M parameters, {per_worker} samples per worker per step, "
+          f"{WORKERS} workers, {args.steps} steps", flush=True)
     results = {}
     for system in args.systems.split(","):
         print(f"running {system} ...", flush=True)
-        results[system] = run(system, args.steps, args.batch_size)
+        results[system] = run(args.model, system, args.steps, per_worker, args.chunk_bytes)
     mib = 1 << 20
     print(table(
-        [[s, f"{r['samples_per_s']:.0f}", f"{r['final_loss']:.6f}", f"{r['peak_rss_bytes'] / mib:.0f}",
-          f"{r['model_state_bytes'] / mib:.0f}"] for s, r in results.items()],
-        ["system", "samples/s", "final loss", "peak RSS MiB", "model state MiB"],
+        [[s, f"{r['samples_per_s']:.1f}", f"{r['final_loss']:.6f}", f"{r['model_state_bytes'] / mib:.0f}",
+          f"{r['peak_rss_bytes'] / mib:.0f}", f"{r['rss_growth_bytes'] / mib:.0f}"] for s, r in results.items()],
+        ["system", "samples/s", "final loss", "model state MiB", "peak RSS MiB", "RSS growth MiB"],
     ))
-    out = {"params": params, "steps": args.steps, "timed_steps": args.steps - WARMUP,
-           "per_worker_batch": args.batch_size, "workers": WORKERS, **results}
+    out = {"model": args.model, "chunk_bytes": args.chunk_bytes, "params": params, "steps": args.steps, "timed_steps": args.steps - WARMUP,
+           "per_worker_batch": per_worker, "workers": WORKERS, **results}
     if "shardps" in results and "ddp" in results:
         s, d = results["shardps"], results["ddp"]
         out["ratio_samples_per_s"] = s["samples_per_s"] / d["samples_per_s"]
         out["ratio_model_state_bytes"] = s["model_state_bytes"] / d["model_state_bytes"]
+        out["ratio_rss_growth_bytes"] = s["rss_growth_bytes"] / d["rss_growth_bytes"]
         out["final_loss_abs_diff"] = abs(s["final_loss"] - d["final_loss"])
         print(f"shardps / ddp: samples/s {out['ratio_samples_per_s']:.2f}, model state memory "
               f"{out['ratio_model_state_bytes']:.2f}, |final loss diff| {out['final_loss_abs_diff']:.2e}")

@@ -126,8 +126,8 @@ def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtyp
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20,
-                   help="shardps chunk size and the ceiling's message size, bytes (default 1 MiB)")
+    p.add_argument("--chunk-bytes", type=int, default=4 << 20,
+                   help="shardps chunk size and the ceiling's message size, bytes (default 4 MiB)")
     args = p.parse_args()
     torch.set_num_threads(1)
     payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()

@@ -20,6 +20,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,12 +46,34 @@ def default_worker_id() -> str:
 
 
 class _Round:
-    """State of one push/pull round trip across all shards."""
+    """State of one push/pull round trip across all shards.
 
-    def __init__(self, num_shards: int) -> None:
+    ``ready[key]`` is set once every chunk of ``key`` has been pulled;
+    ``sent[shard]`` once the push stream to ``shard`` has encoded its last chunk.
+    """
+
+    def __init__(self, num_shards: int, chunks_per_key: dict[str, int]) -> None:
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_shards)]
         self.calls: list = []
         self.pushed: set[str] = set()
+        self.sent = [threading.Event() for _ in range(num_shards)]
+        self.remaining = dict(chunks_per_key)
+        self.ready = {key: threading.Event() for key in chunks_per_key}
+        self.lock = threading.Lock()
+        self.futures: list = []
+
+    def chunk_arrived(self, key: str) -> None:
+        with self.lock:
+            self.remaining[key] -= 1
+            done = self.remaining[key] == 0
+        if done:
+            self.ready[key].set()
+
+    def failed(self) -> BaseException | None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                return f.exception()
+        return None
 
 
 class DistributedOptimizer:
@@ -70,6 +93,13 @@ class DistributedOptimizer:
         push_dtype, pull_dtype: wire types of gradients and parameters
             (``"fp32"``, ``"bf16"`` or ``"fp16"``); shards keep fp32 master weights.
         backward_passes_per_step: backward calls accumulated before gradients are pushed.
+        model: the module that owns the parameters. When given, ``step()``
+            returns as soon as the gradients are handed to the network, the new
+            parameters stream in while the next forward runs, and a forward
+            pre-hook on each submodule waits for that submodule's own
+            parameters (BytePS-style priority: shards send chunks in
+            ``named_parameters`` order, first layers first). Read parameters
+            outside ``model``'s forward only after ``synchronize()``.
         checksum: send a CRC-32 with every gradient chunk.
         rpc_timeout: deadline of every call in seconds.
         connect_timeout: how long to wait for each shard to answer, seconds.
@@ -95,6 +125,7 @@ class DistributedOptimizer:
         push_dtype: str = "fp32",
         pull_dtype: str = "fp32",
         backward_passes_per_step: int = 1,
+        model: torch.nn.Module | None = None,
         checksum: bool = False,
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
@@ -130,7 +161,10 @@ class DistributedOptimizer:
         self._chunk_at = {(c.key, c.offset): c for c in self.plan.chunks}
         self._shard_sizes = [len(self.plan.shard_chunks(s)) for s in range(self.plan.num_shards)]
         self._counts = dict.fromkeys(self._params, 0)
-        self._round: _Round | None = None
+        self._chunk_counts = {key: len(chunks) for key, chunks in self._chunks_of.items()}
+        self._round: _Round | None = None  # the round being pushed
+        self._pulling: _Round | None = None  # the round whose parameters are still arriving
+        self._rpc_timeout = rpc_timeout
         self._lock = threading.Lock()  # guards self._round between hooks and step()
         self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
         self._clients: list[ShardClient] = []
@@ -153,6 +187,9 @@ class DistributedOptimizer:
         for p in self._params.values():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._overlap = model is not None
+        if model is not None:
+            self._register_forward_waits(model)
 
     # ------------------------------------------------------------ joining
     def _join_and_pull(self, shard: int) -> int:
@@ -182,7 +219,56 @@ class DistributedOptimizer:
         )
         return self._receive(shard, call, min_version, "pull")
 
-    def _receive(self, shard: int, call, min_version: int, what: str) -> int:
+    def _register_forward_waits(self, model: torch.nn.Module) -> None:
+        """Pre-hook every submodule of ``model``; see :meth:`_learn_wait_keys`."""
+        self._model_root = model
+        self._called: set[int] = set()
+        self._wait_keys: dict[int, list[str]] | None = None
+        for module in model.modules():
+            self._hooks.append(module.register_forward_pre_hook(self._forward_wait))
+
+    def _learn_wait_keys(self) -> None:
+        """Give each parameter to the nearest module around it whose forward ran in the first step.
+
+        Some modules read a child's parameters without calling the child
+        (``nn.MultiheadAttention`` uses ``out_proj.weight`` directly), so a
+        parameter is waited for by its own module only if that module's
+        forward runs; otherwise by the nearest ancestor whose forward does.
+        The first forward, before anything is learned, waits for the whole pull.
+        """
+        ours = {id(p): key for key, p in self._params.items()}
+        keys: dict[int, list[str]] = {}
+
+        def assign(module: torch.nn.Module, owner: torch.nn.Module) -> None:
+            if id(module) in self._called:
+                owner = module
+            for p in module.parameters(recurse=False):
+                if id(p) in ours:
+                    keys.setdefault(id(owner), []).append(ours[id(p)])
+            for child in module.children():
+                assign(child, owner)
+
+        assign(self._model_root, self._model_root)
+        self._wait_keys = keys
+
+    def _forward_wait(self, module: torch.nn.Module, args) -> None:
+        if self._wait_keys is None:
+            self._called.add(id(module))
+        rnd = self._pulling
+        if rnd is None:
+            return
+        if self._wait_keys is None:
+            self._finish_pull()  # nothing learned yet: wait for every parameter
+            return
+        deadline = time.monotonic() + self._rpc_timeout
+        for key in self._wait_keys.get(id(module), ()):
+            event = rnd.ready[key]
+            while not event.wait(0.05):  # blocking wait for this module's chunks
+                if rnd.failed() is not None or time.monotonic() > deadline:
+                    self._finish_pull()  # raises the pull's error
+                    raise TimeoutError(f"parameters of {key!r} did not arrive within {self._rpc_timeout:.0f}s")
+
+    def _receive(self, shard: int, call, min_version: int, what: str, rnd: _Round | None = None) -> int:
         """Copy every parameter frame of ``call`` into the model; returns the version received."""
         version, count = None, 0
         try:
@@ -200,6 +286,8 @@ class DistributedOptimizer:
                     flat = self._params[c.key].data.view(-1)
                     flat[c.offset : c.offset + c.numel].copy_(payload_tensor(h, frame.payload))
                     count += 1
+                    if rnd is not None:
+                        rnd.chunk_arrived(c.key)
         except grpc.RpcError as exc:
             raise self._clients[shard].error(what, exc) from None
         if count != self._shard_sizes[shard]:
@@ -210,24 +298,26 @@ class DistributedOptimizer:
     def _open_round(self) -> _Round:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
         if self._round is None:
-            rnd = _Round(len(self._clients))
+            self._finish_pull()  # blocking wait, normally a no-op: the forward already waited
+            rnd = _Round(len(self._clients), self._chunk_counts)
             lrs = current_lrs(self._optimizer)
             for shard, client in enumerate(self._clients):
                 header = pb.RoundHeader(
                     worker_id=self.worker_id, round=self.versions[shard], lrs=lrs,
                     plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
                 )
-                rnd.calls.append(client.push_pull(self._requests(header, rnd.queues[shard])))
+                rnd.calls.append(client.push_pull(self._requests(header, rnd.queues[shard], rnd.sent[shard])))
             self._round = rnd
         return self._round
 
-    def _requests(self, header: pb.RoundHeader, q: queue.SimpleQueue) -> Iterator[bytes]:
+    def _requests(self, header: pb.RoundHeader, q: queue.SimpleQueue, sent: threading.Event) -> Iterator[bytes]:
         """Request stream of one shard; runs on gRPC's request-consumer thread."""
         yield encode_round(header)
         while (item := q.get()) is not None:  # blocking wait for the hooks
             chunk, values = item
             values = values.to("cpu", self._push_dtype)  # host sync for CUDA gradients, off the hook
             yield encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=self._checksum)
+        sent.set()  # every gradient byte of this shard is copied into a frame
 
     def _enqueue(self, rnd: _Round, key: str, grad: torch.Tensor | None) -> None:
         if grad is None:
@@ -259,19 +349,25 @@ class DistributedOptimizer:
 
     @property
     def version(self) -> int:
-        """The parameter version the model now holds (the lowest over shards)."""
+        """The parameter version the model holds once pending pulls land (the lowest over shards)."""
+        self._finish_pull()
         return min(self.versions)
 
     def synchronize(self) -> None:
-        """Push every gradient not pushed yet, wait until each shard has applied the round,
-        and copy the new parameters into the model.
+        """Wait until the parameters of every ``step()`` so far are in the model.
 
-        Parameters without a gradient push zeros. Blocks on the network.
+        Starts no round: gradients are pushed only by ``step()``. A no-op
+        unless ``model`` was given (then the last step's pull may still be
+        landing). Blocks on the network.
 
         Raises:
             ShardRpcError: a shard refused the push or the pull (its message says why).
             RuntimeError: a shard answered outside the protocol.
         """
+        self._finish_pull()
+
+    def _start_pull(self) -> None:
+        """Close this round's pushes and start reading every shard's parameters in the background."""
         with self._lock:
             rnd = self._open_round()
             for key, p in self._params.items():
@@ -279,33 +375,53 @@ class DistributedOptimizer:
                     self._enqueue(rnd, key, p.grad)
             for q in rnd.queues:
                 q.put(None)
+            self._round = None
+            self._counts = dict.fromkeys(self._counts, 0)
+        if self._overlap and self._wait_keys is None and self._called:
+            self._learn_wait_keys()
+        expected = [v + 1 for v in self.versions]
+        rnd.futures = [
+            self._pool.submit(self._receive, s, call, expected[s], "push_pull", rnd) for s, call in enumerate(rnd.calls)
+        ]
+        self._pulling = rnd
+
+    def _finish_pull(self) -> None:
+        """Wait for the pending pulls (if any) and record the versions received."""
+        rnd = self._pulling
+        if rnd is None:
+            return
         try:
-            expected = [v + 1 for v in self.versions]
-            futures = [
-                self._pool.submit(self._receive, s, call, expected[s], "push_pull") for s, call in enumerate(rnd.calls)
-            ]
-            versions = [f.result() for f in futures]  # blocking wait for every shard
+            versions = [f.result() for f in rnd.futures]  # blocking wait for every shard
         except BaseException:
             for call in rnd.calls:
                 call.cancel()
             raise
         finally:
-            with self._lock:
-                self._round = None
-                self._counts = dict.fromkeys(self._counts, 0)
+            self._pulling = None
         self.versions = versions
 
     def step(self, closure=None):
-        """Synchronize this round: push gradients, pull the updated parameters into the model.
+        """Finish this round: push the gradients, pull the updated parameters into the model.
+
+        Parameters without a gradient push zeros. Without ``model`` this blocks
+        until the parameters are in place. With ``model`` it returns once the gradients are
+        handed off; the parameters land while the next forward runs, each
+        submodule waiting for its own.
 
         Returns:
             ``closure()``'s loss, if a closure is given.
+
+        Raises:
+            ShardRpcError: a shard refused the push or the pull (its message says why).
+            RuntimeError: a shard answered outside the protocol.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        self._start_pull()
+        if not self._overlap:
+            self._finish_pull()
         # Tell LR schedulers attached to the wrapped optimizer that a step happened.
         self._optimizer._opt_called = True
         return loss
@@ -317,7 +433,13 @@ class DistributedOptimizer:
             RuntimeError: gradients of this step are still being pushed (call step() first).
         """
         if self._round is not None:
-            raise RuntimeError("zero_grad() while gradients are being pushed: call step() or synchronize() first")
+            raise RuntimeError("zero_grad() while gradients are being pushed: call step() first")
+        rnd = self._pulling
+        if rnd is not None and not set_to_none:  # zeroing in place: wait until the pushes copied the gradients
+            for event in rnd.sent:
+                while not event.wait(0.05):
+                    if rnd.failed() is not None:
+                        self._finish_pull()
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def stats(self) -> list[pb.StatsReply]:
@@ -329,6 +451,10 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        try:
+            self._finish_pull()
+        except (ShardRpcError, RuntimeError) as exc:
+            log.warning("the last pull failed while closing: %s", exc)
         with self._lock:
             rnd, self._round = self._round, None
         if rnd is not None:

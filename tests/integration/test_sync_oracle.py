@@ -62,7 +62,7 @@ def train_single(name: str) -> nn.Module:
     return model
 
 
-def train_sharded(name: str, workers: int, servers: list[str]) -> list[nn.Module]:
+def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False) -> list[nn.Module]:
     x, y = data()
     per = BATCH // workers
     models = [make_model() for _ in range(workers)]
@@ -74,7 +74,7 @@ def train_sharded(name: str, workers: int, servers: list[str]) -> list[nn.Module
             opt, sched = make_optimizer(name, model)
             with DistributedOptimizer(
                 opt, model.named_parameters(), servers=servers, worker_id=f"w{i}", chunk_bytes=CHUNK_BYTES,
-                rpc_timeout=60.0,
+                rpc_timeout=60.0, model=model if overlap else None,
             ) as dist:
                 for step in range(STEPS):
                     dist.zero_grad()
@@ -82,6 +82,8 @@ def train_sharded(name: str, workers: int, servers: list[str]) -> list[nn.Module
                     nn.functional.cross_entropy(model(x[step, part]), y[step, part]).backward()
                     dist.step()
                     sched.step()
+                    if step % 7 == 3:
+                        dist.synchronize()  # waits for the pull; never starts a round of its own
                 assert dist.version == STEPS
                 assert not opt.state, "the local optimizer must never allocate state"
         except BaseException as exc:  # re-raised in the test thread
@@ -110,5 +112,16 @@ def test_sync_matches_single_process(start_cluster, name: str, num_shards: int, 
             expected.named_parameters(), replica.parameters(), initial.parameters()
         ):
             assert (want - init).abs().max() > 1e-3, "training did not move the parameters"
+            diff = (want - got).abs().max().item()
+            assert diff < 1e-5, f"{key}: max |single - sharded| = {diff}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov"])
+def test_overlapped_pulls_match_single_process(start_cluster, name: str) -> None:
+    """With model= given, step() returns early and each layer's forward waits for its own parameters."""
+    cluster = start_cluster(2, min_workers=2)
+    expected = train_single(name)
+    for replica in train_sharded(name, 2, cluster.addresses, overlap=True):
+        for (key, want), got in zip(expected.named_parameters(), replica.parameters()):
             diff = (want - got).abs().max().item()
             assert diff < 1e-5, f"{key}: max |single - sharded| = {diff}"
