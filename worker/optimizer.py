@@ -262,8 +262,8 @@ class DistributedOptimizer:
             return
         deadline = time.monotonic() + self._rpc_timeout
         for key in self._wait_keys.get(id(module), ()):
-            event = rnd.ready[key]
-            while not event.wait(0.05):  # blocking wait for this module's chunks
+            event = rnd.ready.get(key)  # None for an empty parameter: nothing to wait for
+            while event is not None and not event.wait(0.05):  # blocking wait for this module's chunks
                 if rnd.failed() is not None or time.monotonic() > deadline:
                     self._finish_pull()  # raises the pull's error
                     raise TimeoutError(f"parameters of {key!r} did not arrive within {self._rpc_timeout:.0f}s")
