@@ -28,6 +28,11 @@ TORCH_DTYPES: dict[int, torch.dtype] = {
 WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
 WIRE_DTYPE_NAMES: dict[str, int] = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp16": pb.FLOAT16}
 
+# Received frames are read-only bytes and we only ever read the tensors made from
+# them. One filter for torch's notice about that, installed once: thread-safe,
+# unlike catch_warnings() around each call.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 _TAG_HEADER = 0x0A  # field 1, length-delimited
 _TAG_PAYLOAD = 0x12  # field 2, length-delimited
 
@@ -171,7 +176,4 @@ def payload_tensor(header: pb.ChunkHeader, payload: memoryview) -> torch.Tensor:
         raise FrameError(f"chunk of key {header.key!r} at offset {header.offset} fails its CRC-32 check")
     if expected == 0:
         return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        # bytes are read-only; we only ever read from the tensor.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype)

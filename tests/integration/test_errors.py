@@ -170,3 +170,25 @@ def test_zero_grad_with_pushes_in_flight_raises(joined) -> None:
     dist.step()
     dist.zero_grad()
     assert dist.version == 1
+
+
+def test_oversized_messages_are_refused(start_cluster) -> None:
+    cluster = start_cluster(1, extra_args=("--max-message-bytes", str(256 << 10)))
+    m = nn.Linear(300, 300)  # 90,000 elements
+    with pytest.raises(ShardRpcError, match="exceeds the .* this shard accepts") as err:
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                             servers=cluster.addresses, chunk_bytes=1 << 20)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    dist = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                servers=cluster.addresses, worker_id="w0", chunk_bytes=64 << 10)
+    client = ShardClient(cluster.addresses[0], index=0)
+    try:
+        huge = encode_chunk("weight", 0, torch.zeros(90_000), 0)  # 360 KB frame > 256 KiB limit
+        with pytest.raises(ShardRpcError) as err:
+            client.push(iter([encode_round(pb.RoundHeader(worker_id="w0", lrs=[0.1],
+                                                          plan_fingerprint=dist.plan.fingerprint)), huge]))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.stats().version == 0
+    finally:
+        client.close()
+        dist.close()
