@@ -46,10 +46,6 @@ def _round_header(request_iterator: Iterator[bytes], what: str) -> pb.RoundHeade
     return frame.round
 
 
-def _remaining(context: grpc.ServicerContext) -> float | None:
-    return context.time_remaining()
-
-
 class ShardServicer:
     """Implements ``shardps.v1.Shard`` by delegating to a :class:`ShardStore`."""
 
@@ -84,7 +80,7 @@ class ShardServicer:
 
     def Pull(self, request: pb.PullRequest, context) -> Iterator[bytes]:
         try:
-            version = self.store.wait_version(request.min_version, _remaining(context))
+            version = self.store.wait_version(request.min_version, context.time_remaining())
             yield from self.store.pull(version, request.dtype, request.plan_fingerprint)
         except ShardError as exc:
             _abort(context, exc)
@@ -93,7 +89,7 @@ class ShardServicer:
         try:
             header = _round_header(request_iterator, "push")
             self.store.push(header, request_iterator)
-            version = self.store.wait_version(header.round + 1, _remaining(context))
+            version = self.store.wait_version(header.round + 1, context.time_remaining())
             yield from self.store.pull(version, header.pull_dtype, header.plan_fingerprint)
         except ShardError as exc:
             _abort(context, exc)

@@ -59,9 +59,19 @@ class _Counters:
 
 
 def _hyperparams_without_lr(spec: pb.OptimizerSpec) -> list[dict]:
+    """Each group's hyperparameters except ``lr`` (schedulers change it between joins).
+
+    Raises:
+        InvalidArgument: a group's hyperparameters are not a JSON object.
+    """
     out = []
-    for text in spec.group_hyperparams_json:
-        hp = json.loads(text)
+    for g, text in enumerate(spec.group_hyperparams_json):
+        try:
+            hp = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"hyperparameters of param group {g} are not valid JSON: {exc}") from exc
+        if not isinstance(hp, dict):
+            raise InvalidArgument(f"hyperparameters of param group {g} must be a JSON object")
         hp.pop("lr", None)
         out.append(hp)
     return out

@@ -192,3 +192,13 @@ def test_oversized_messages_are_refused(start_cluster) -> None:
     finally:
         client.close()
         dist.close()
+
+
+def test_later_joiner_with_malformed_optimizer_spec(joined) -> None:
+    _, dist, _, client = joined
+    bad = pb.OptimizerSpec(class_name="SGD", group_hyperparams_json=["{not json"])
+    with pytest.raises(ShardRpcError, match="not valid JSON") as err:
+        client.join(pb.JoinRequest(worker_id="w9", plan=dist.plan.to_proto(),
+                                   plan_fingerprint=dist.plan.fingerprint, optimizer=bad))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(client.stats().members) == ["w0"]
