@@ -2,13 +2,15 @@
 
     python benchmarks/update.py [--json PATH] [--repeats 10] [--threads 1]
 
-Both run in this process on the same thread count: the shard's
-``ShardOptimizer.step`` (the code a shard runs every round, built from the
-same OptimizerSpec a worker sends, over the flat fp32 buffers of a
-partition plan of 4 keys x 16 M elements) and ``torch.optim.AdamW(fused=True)``
-on one flat 64 M-element tensor. The round's gradient averaging over W
-workers is reported beside it (``average_2_workers_seconds``). Figures are
-medians over ``--repeats`` steps after 2 warm-up steps.
+Both run in this process on the same thread count: the shard's round
+update ``ShardOptimizer.apply`` (the code a shard runs every round, built
+from the same OptimizerSpec a worker sends, over the flat fp32 buffers of a
+partition plan of 4 keys x 16 M elements), its parts (the dry run that
+proves the update finite before anything changes, and the fused step), and
+``torch.optim.AdamW(fused=True)`` on one flat 64 M-element tensor. The
+round's gradient averaging over W workers is reported beside it
+(``average_2_workers_seconds``). Figures are medians over ``--repeats``
+steps after 2 warm-up steps.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def main() -> None:
     shard = ShardOptimizer(spec, params)
     grads = {g: torch.randn_like(t) for g, t in params.items()}
     lrs = [1e-3]
-    shard_s = median_seconds(lambda: shard.step(grads, lrs), args.repeats)
+    shard_s = median_seconds(lambda: shard.apply([grads], lrs), args.repeats)  # one worker: nothing to average
+    step_s = median_seconds(lambda: shard._step(grads, lrs), args.repeats)
+    dry_s = median_seconds(lambda: shard._dry_run(grads, lrs, check_grads=False), args.repeats)
 
     other = {g: torch.randn_like(t) for g, t in params.items()}
 
@@ -79,13 +83,17 @@ def main() -> None:
         "numel": NUMEL,
         "threads": args.threads,
         "shard_update_seconds": shard_s,
+        "shard_step_seconds": step_s,
+        "shard_dry_run_seconds": dry_s,
         "bare_adamw_seconds": bare_s,
         "ratio": shard_s / bare_s,
         "average_2_workers_seconds": avg_s,
     }
     print(table(
         [
-            ["shard update (ShardOptimizer.step, AdamW)", f"{shard_s * 1e3:.1f}", f"{shard_s / bare_s:.2f}"],
+            ["shard round update (ShardOptimizer.apply, AdamW)", f"{shard_s * 1e3:.1f}", f"{shard_s / bare_s:.2f}"],
+            ["  of which the dry run (finite check)", f"{dry_s * 1e3:.1f}", f"{dry_s / bare_s:.2f}"],
+            ["  of which the fused step", f"{step_s * 1e3:.1f}", f"{step_s / bare_s:.2f}"],
             ["bare torch.optim.AdamW(fused=True)", f"{bare_s * 1e3:.1f}", "1.00"],
             ["gradient averaging of 2 workers (per round)", f"{avg_s * 1e3:.1f}", f"{avg_s / bare_s:.2f}"],
         ],

@@ -4,15 +4,17 @@ A frame is the protobuf encoding of ``shardps.v1.Frame`` with field 1 (the
 small ``ChunkHeader``) followed by field 2 (the raw little-endian payload),
 written by hand so that the payload is copied exactly once, straight from
 the tensor's memory into the frame's ``bytes``. Decoding slices the payload
-as a ``memoryview`` of the received message and reads it with
-``torch.frombuffer``: no copy until the caller copies into its own buffer.
-Frames that do not start with field 1 (the ``RoundHeader`` frame, or a frame
-written by another protobuf runtime) take the ordinary protobuf parser.
+as a ``memoryview`` of the received message; :func:`copy_payload` then
+copies those bytes straight into the caller's tensor (one ``memcpy`` when
+the wire type is the destination's dtype). No tensor is ever made over the
+received, read-only bytes, so torch never warns about them and shardps
+installs no warnings filter. Frames that do not start with field 1 (the
+``RoundHeader`` frame, or a frame written by another protobuf runtime) take
+the ordinary protobuf parser.
 """
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -27,11 +29,6 @@ TORCH_DTYPES: dict[int, torch.dtype] = {
 }
 WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
 WIRE_DTYPE_NAMES: dict[str, int] = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp16": pb.FLOAT16}
-
-# Received frames are read-only bytes and we only ever read the tensors made from
-# them. One filter for torch's notice about that, installed once: thread-safe,
-# unlike catch_warnings() around each call.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 _TAG_HEADER = 0x0A  # field 1, length-delimited
 _TAG_PAYLOAD = 0x12  # field 2, length-delimited
@@ -131,23 +128,28 @@ def decode_frame(data: bytes) -> DecodedFrame:
     """Decode one frame without copying its payload.
 
     Raises:
-        FrameError: malformed frame.
+        FrameError: anything that is not a well-formed ``Frame`` (truncated
+            varints or fields, invalid UTF-8 in a key, unknown wire types,
+            neither a chunk nor a round header). Never another exception.
     """
-    buf = memoryview(data)
-    if len(buf) and buf[0] == _TAG_HEADER:
-        n, pos = _read_varint(buf, 1)
-        header = pb.ChunkHeader.FromString(buf[pos : pos + n])
-        pos += n
-        if pos == len(buf):
-            return DecodedFrame(header, memoryview(b""), None)
-        if buf[pos] == _TAG_PAYLOAD:
-            n, pos = _read_varint(buf, pos + 1)
-            if pos + n == len(buf):
-                return DecodedFrame(header, buf[pos : pos + n], None)
     try:
-        frame = pb.Frame.FromString(data)
-    except Exception as exc:  # protobuf raises DecodeError
-        raise FrameError(f"malformed frame ({len(data)} bytes): {exc}") from exc
+        buf = memoryview(data)
+        if len(buf) and buf[0] == _TAG_HEADER:
+            n, pos = _read_varint(buf, 1)
+            if pos + n <= len(buf):
+                header = pb.ChunkHeader.FromString(buf[pos : pos + n])
+                pos += n
+                if pos == len(buf):
+                    return DecodedFrame(header, memoryview(b""), None)
+                if buf[pos] == _TAG_PAYLOAD:
+                    n, pos = _read_varint(buf, pos + 1)
+                    if pos + n == len(buf):
+                        return DecodedFrame(header, buf[pos : pos + n], None)
+        frame = pb.Frame.FromString(data)  # the general path: any field order, any runtime
+    except FrameError:
+        raise
+    except Exception as exc:  # protobuf's DecodeError, or a buffer that is not bytes
+        raise FrameError(f"malformed frame ({_length(data)}): {exc}") from None
     if frame.HasField("round"):
         return DecodedFrame(None, None, frame.round)
     if frame.HasField("header"):
@@ -155,14 +157,14 @@ def decode_frame(data: bytes) -> DecodedFrame:
     raise FrameError("frame has neither a chunk header nor a round header")
 
 
-def payload_tensor(header: pb.ChunkHeader, payload: memoryview) -> torch.Tensor:
-    """View a chunk's payload as a 1-D tensor of ``header.numel`` elements (no copy).
+def _length(data: object) -> str:
+    try:
+        return f"{len(data)} bytes"  # type: ignore[arg-type]
+    except TypeError:
+        return type(data).__name__
 
-    The tensor aliases read-only bytes: copy from it, never write to it.
 
-    Raises:
-        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
-    """
+def _check_payload(header: pb.ChunkHeader, payload: memoryview) -> torch.dtype:
     dtype = TORCH_DTYPES.get(header.dtype)
     if dtype is None:
         raise FrameError(f"chunk of key {header.key!r} has unsupported dtype {header.dtype}")
@@ -174,6 +176,32 @@ def payload_tensor(header: pb.ChunkHeader, payload: memoryview) -> torch.Tensor:
         )
     if header.HasField("crc32") and zlib.crc32(payload) != header.crc32:
         raise FrameError(f"chunk of key {header.key!r} at offset {header.offset} fails its CRC-32 check")
-    if expected == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(payload, dtype=dtype)
+    return dtype
+
+
+def copy_payload(header: pb.ChunkHeader, payload: memoryview, dst: torch.Tensor) -> None:
+    """Copy a chunk's payload into ``dst``, converting from the wire type to ``dst.dtype``.
+
+    Args:
+        header: the chunk's header (its ``dtype`` and ``numel`` describe ``payload``).
+        payload: the raw little-endian bytes, as :func:`decode_frame` returns them.
+        dst: a 1-D tensor of ``header.numel`` elements of a floating dtype, on
+            any device. When it is a contiguous CPU tensor of the wire type the
+            copy is one ``memcpy``; otherwise the bytes go through a scratch
+            tensor of the wire type first.
+
+    Raises:
+        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
+        ValueError: ``dst`` does not have ``header.numel`` elements.
+    """
+    dtype = _check_payload(header, payload)
+    if dst.numel() != header.numel:
+        raise ValueError(f"destination has {dst.numel()} elements, the chunk {header.numel}")
+    if header.numel == 0:
+        return
+    if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous():
+        memoryview(dst.view(torch.uint8).numpy())[:] = payload  # memcpy into dst's own memory
+        return
+    scratch = torch.empty(header.numel, dtype=dtype)
+    memoryview(scratch.view(torch.uint8).numpy())[:] = payload
+    dst.copy_(scratch)

@@ -24,6 +24,12 @@ SHARDABLE: dict[str, bool] = {"SGD": True, "Adam": True, "AdamW": True, "Adagrad
 # (or scheduler bookkeeping), not hyperparameters.
 _IMPLEMENTATION_KEYS = {"params", "foreach", "fused", "capturable", "differentiable", "initial_lr"}
 
+#: Limits on one param group's hyperparameters as the shard reads them.
+MAX_HYPERPARAMS_JSON_CHARS = 4096
+MAX_HYPERPARAMS = 32
+MAX_HYPERPARAM_NAME_CHARS = 64
+MAX_HYPERPARAM_LIST = 8
+
 
 class OptimizerSpecError(ValueError):
     """The optimizer cannot run on the shards (the message says what to use instead)."""
@@ -89,6 +95,68 @@ def current_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(g["lr"]) for g in optimizer.param_groups]
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _check_value(value: object, where: str) -> object:
+    if value is None or isinstance(value, (bool, str)):
+        if isinstance(value, str):
+            raise OptimizerSpecError(f"{where} is the string {value[:40]!r}; hyperparameters are numbers or booleans")
+        return value
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise OptimizerSpecError(f"{where} is {value}; hyperparameters must be finite")
+        return value
+    if isinstance(value, list):
+        if not 0 < len(value) <= MAX_HYPERPARAM_LIST or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            raise OptimizerSpecError(f"{where} must be a list of 1 to {MAX_HYPERPARAM_LIST} numbers")
+        for v in value:
+            _check_value(v, where)
+        return tuple(value)
+    raise OptimizerSpecError(f"{where} has type {type(value).__name__}; hyperparameters are numbers or booleans")
+
+
+def parse_hyperparams(spec: pb.OptimizerSpec) -> list[dict]:
+    """Each param group's hyperparameters from ``spec``, checked strictly.
+
+    Every group must be a JSON object of at most ``MAX_HYPERPARAMS`` entries
+    (``MAX_HYPERPARAMS_JSON_CHARS`` characters) whose values are finite
+    numbers, booleans, null, or short lists of finite numbers (``betas``).
+    ``NaN``/``Infinity`` literals and strings are refused. Implementation
+    keys (``fused``, ``foreach``, ...) are dropped: the shard picks those.
+
+    Returns:
+        One dict per param group, lists turned into tuples.
+
+    Raises:
+        OptimizerSpecError: the first violation, naming the group and key.
+    """
+    groups = []
+    for g, text in enumerate(spec.group_hyperparams_json):
+        where = f"hyperparameters of param group {g}"
+        if len(text) > MAX_HYPERPARAMS_JSON_CHARS:
+            raise OptimizerSpecError(f"{where} are {len(text)} characters long (at most {MAX_HYPERPARAMS_JSON_CHARS})")
+        try:
+            hp = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            raise OptimizerSpecError(f"{where} are not valid JSON: {exc}") from None
+        if not isinstance(hp, dict):
+            raise OptimizerSpecError(f"{where} must be a JSON object")
+        if len(hp) > MAX_HYPERPARAMS:
+            raise OptimizerSpecError(f"{where} has {len(hp)} entries (at most {MAX_HYPERPARAMS})")
+        out = {}
+        for name, value in hp.items():
+            if not name or len(name) > MAX_HYPERPARAM_NAME_CHARS:
+                raise OptimizerSpecError(f"{where}: a name must have 1 to {MAX_HYPERPARAM_NAME_CHARS} characters")
+            if name not in _IMPLEMENTATION_KEYS:
+                out[name] = _check_value(value, f"param_groups[{g}][{name!r}]")
+        groups.append(out)
+    return groups
+
+
 def build_optimizer(
     spec: pb.OptimizerSpec, flat_params: Sequence[tuple[int, torch.Tensor]]
 ) -> torch.optim.Optimizer | None:
@@ -107,26 +175,19 @@ def build_optimizer(
         OptimizerSpecError: unknown class, malformed hyperparameters, or torch rejects them.
     """
     check_shardable(spec.class_name)
+    hyperparams = parse_hyperparams(spec)
     groups = []
     for g, tensor in flat_params:
-        if g >= len(spec.group_hyperparams_json):
+        if g >= len(hyperparams):
             raise OptimizerSpecError(
-                f"the partition plan uses param group {g} but the optimizer spec has "
-                f"{len(spec.group_hyperparams_json)} group(s)"
+                f"the partition plan uses param group {g} but the optimizer spec has {len(hyperparams)} group(s)"
             )
-        try:
-            hp = json.loads(spec.group_hyperparams_json[g])
-        except json.JSONDecodeError as exc:
-            raise OptimizerSpecError(f"hyperparameters of param group {g} are not valid JSON: {exc}") from exc
-        if not isinstance(hp, dict):
-            raise OptimizerSpecError(f"hyperparameters of param group {g} must be a JSON object")
-        hp = {k: tuple(v) if isinstance(v, list) else v for k, v in hp.items() if k not in _IMPLEMENTATION_KEYS}
-        groups.append({"params": [tensor], **hp})
+        groups.append({"params": [tensor], **hyperparams[g]})
     if not groups:
         return None
     cls = getattr(torch.optim, spec.class_name)
     impl = {"fused": True} if SHARDABLE[spec.class_name] else {"foreach": True}
     try:
         return cls(groups, **impl)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # torch raises TypeError, ValueError, IndexError, ... for bad settings
         raise OptimizerSpecError(f"torch.optim.{spec.class_name} rejected the hyperparameters: {exc}") from exc

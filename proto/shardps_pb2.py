@@ -24,45 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshardps/proto/shardps.proto\x12\nshardps.v1\"4\n\x07KeySpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05group\x18\x03 \x01(\r\"V\n\x08PlanSpec\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.shardps.v1.KeySpec\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\"C\n\rOptimizerSpec\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\"\x8c\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.shardps.v1.PlanSpec\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.shardps.v1.OptimizerSpec\"V\n\tJoinReply\x12\x12\n\ninitialise\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1d\n\nLeaveReply\x12\x0f\n\x07members\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xba\x02\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\x12\x13\n\x0binitialised\x18\x06 \x01(\x08\x12\x18\n\x10plan_fingerprint\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0bparam_bytes\x18\n \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x0b \x01(\x04\x12\x18\n\x10push_bytes_total\x18\x0c \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\r \x01(\x04\x12\x0e\n\x06pushed\x18\x0e \x03(\t\"\x8a\x01\n\x0b\x43hunkHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_crc32\"}\n\x0bRoundHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0b\n\x03lrs\x18\x03 \x03(\x01\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\x12%\n\npull_dtype\x18\x05 \x01(\x0e\x32\x11.shardps.v1.DType\"i\n\x05\x46rame\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.shardps.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x17.shardps.v1.RoundHeader\"^\n\x0bPullRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\"\x1c\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1c\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x32\x89\x03\n\x05Shard\x12\x36\n\x04Join\x12\x17.shardps.v1.JoinRequest\x1a\x15.shardps.v1.JoinReply\x12\x32\n\x04Init\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.InitReply(\x01\x12\x32\n\x04Push\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.PushReply(\x01\x12\x34\n\x04Pull\x12\x17.shardps.v1.PullRequest\x1a\x11.shardps.v1.Frame0\x01\x12\x34\n\x08PushPull\x12\x11.shardps.v1.Frame\x1a\x11.shardps.v1.Frame(\x01\x30\x01\x12\x39\n\x05Leave\x12\x18.shardps.v1.LeaveRequest\x1a\x16.shardps.v1.LeaveReply\x12\x39\n\x05Stats\x12\x18.shardps.v1.StatsRequest\x1a\x16.shardps.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshardps/proto/shardps.proto\x12\nshardps.v1\"4\n\x07KeySpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05group\x18\x03 \x01(\r\"V\n\x08PlanSpec\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.shardps.v1.KeySpec\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\"C\n\rOptimizerSpec\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\"T\n\x07JobView\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binitialiser\x18\x02 \x01(\t\x12\x13\n\x0binitialised\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\xbf\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.shardps.v1.PlanSpec\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.shardps.v1.OptimizerSpec\x12\x0f\n\x07session\x18\x05 \x01(\t\x12 \n\x03job\x18\x06 \x01(\x0b\x32\x13.shardps.v1.JobView\"x\n\tJoinReply\x12\x12\n\ninitialise\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12 \n\x03job\x18\x05 \x01(\x0b\x32\x13.shardps.v1.JobView\"2\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x1d\n\nLeaveReply\x12\x0f\n\x07members\x18\x01 \x01(\r\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x08\"\x80\x03\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\x12\x13\n\x0binitialised\x18\x06 \x01(\x08\x12\x18\n\x10plan_fingerprint\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0bparam_bytes\x18\n \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x0b \x01(\x04\x12\x18\n\x10push_bytes_total\x18\x0c \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\r \x01(\x04\x12\x0e\n\x06pushed\x18\x0e \x03(\t\x12\x0e\n\x06job_id\x18\x0f \x01(\t\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x13\n\x0bmax_workers\x18\x11 \x01(\r\x12\x0e\n\x06\x64igest\x18\x12 \x01(\t\"\x8a\x01\n\x0b\x43hunkHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_crc32\"\x8e\x01\n\x0bRoundHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0b\n\x03lrs\x18\x03 \x03(\x01\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\x12%\n\npull_dtype\x18\x05 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07session\x18\x06 \x01(\t\"i\n\x05\x46rame\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.shardps.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x17.shardps.v1.RoundHeader\"\x82\x01\n\x0bPullRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\"\x1c\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1c\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x32\x89\x03\n\x05Shard\x12\x36\n\x04Join\x12\x17.shardps.v1.JoinRequest\x1a\x15.shardps.v1.JoinReply\x12\x32\n\x04Init\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.InitReply(\x01\x12\x32\n\x04Push\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.PushReply(\x01\x12\x34\n\x04Pull\x12\x17.shardps.v1.PullRequest\x1a\x11.shardps.v1.Frame0\x01\x12\x34\n\x08PushPull\x12\x11.shardps.v1.Frame\x1a\x11.shardps.v1.Frame(\x01\x30\x01\x12\x39\n\x05Leave\x12\x18.shardps.v1.LeaveRequest\x1a\x16.shardps.v1.LeaveReply\x12\x39\n\x05Stats\x12\x18.shardps.v1.StatsRequest\x1a\x16.shardps.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardps.proto.shardps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1415
-  _globals['_DTYPE']._serialized_end=1485
+  _globals['_DTYPE']._serialized_start=1744
+  _globals['_DTYPE']._serialized_end=1814
   _globals['_KEYSPEC']._serialized_start=43
   _globals['_KEYSPEC']._serialized_end=95
   _globals['_PLANSPEC']._serialized_start=97
   _globals['_PLANSPEC']._serialized_end=183
   _globals['_OPTIMIZERSPEC']._serialized_start=185
   _globals['_OPTIMIZERSPEC']._serialized_end=252
-  _globals['_JOINREQUEST']._serialized_start=255
-  _globals['_JOINREQUEST']._serialized_end=395
-  _globals['_JOINREPLY']._serialized_start=397
-  _globals['_JOINREPLY']._serialized_end=483
-  _globals['_LEAVEREQUEST']._serialized_start=485
-  _globals['_LEAVEREQUEST']._serialized_end=518
-  _globals['_LEAVEREPLY']._serialized_start=520
-  _globals['_LEAVEREPLY']._serialized_end=549
-  _globals['_STATSREQUEST']._serialized_start=551
-  _globals['_STATSREQUEST']._serialized_end=565
-  _globals['_STATSREPLY']._serialized_start=568
-  _globals['_STATSREPLY']._serialized_end=882
-  _globals['_CHUNKHEADER']._serialized_start=885
-  _globals['_CHUNKHEADER']._serialized_end=1023
-  _globals['_ROUNDHEADER']._serialized_start=1025
-  _globals['_ROUNDHEADER']._serialized_end=1150
-  _globals['_FRAME']._serialized_start=1152
-  _globals['_FRAME']._serialized_end=1257
-  _globals['_PULLREQUEST']._serialized_start=1259
-  _globals['_PULLREQUEST']._serialized_end=1353
-  _globals['_INITREPLY']._serialized_start=1355
-  _globals['_INITREPLY']._serialized_end=1383
-  _globals['_PUSHREPLY']._serialized_start=1385
-  _globals['_PUSHREPLY']._serialized_end=1413
-  _globals['_SHARD']._serialized_start=1488
-  _globals['_SHARD']._serialized_end=1881
+  _globals['_JOBVIEW']._serialized_start=254
+  _globals['_JOBVIEW']._serialized_end=338
+  _globals['_JOINREQUEST']._serialized_start=341
+  _globals['_JOINREQUEST']._serialized_end=532
+  _globals['_JOINREPLY']._serialized_start=534
+  _globals['_JOINREPLY']._serialized_end=654
+  _globals['_LEAVEREQUEST']._serialized_start=656
+  _globals['_LEAVEREQUEST']._serialized_end=706
+  _globals['_LEAVEREPLY']._serialized_start=708
+  _globals['_LEAVEREPLY']._serialized_end=737
+  _globals['_STATSREQUEST']._serialized_start=739
+  _globals['_STATSREQUEST']._serialized_end=769
+  _globals['_STATSREPLY']._serialized_start=772
+  _globals['_STATSREPLY']._serialized_end=1156
+  _globals['_CHUNKHEADER']._serialized_start=1159
+  _globals['_CHUNKHEADER']._serialized_end=1297
+  _globals['_ROUNDHEADER']._serialized_start=1300
+  _globals['_ROUNDHEADER']._serialized_end=1442
+  _globals['_FRAME']._serialized_start=1444
+  _globals['_FRAME']._serialized_end=1549
+  _globals['_PULLREQUEST']._serialized_start=1552
+  _globals['_PULLREQUEST']._serialized_end=1682
+  _globals['_INITREPLY']._serialized_start=1684
+  _globals['_INITREPLY']._serialized_end=1712
+  _globals['_PUSHREPLY']._serialized_start=1714
+  _globals['_PUSHREPLY']._serialized_end=1742
+  _globals['_SHARD']._serialized_start=1817
+  _globals['_SHARD']._serialized_end=2210
 # @@protoc_insertion_point(module_scope)

@@ -46,35 +46,55 @@ class OptimizerSpec(_message.Message):
     group_hyperparams_json: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, class_name: _Optional[str] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class JobView(_message.Message):
+    __slots__ = ("job_id", "initialiser", "initialised", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INITIALISER_FIELD_NUMBER: _ClassVar[int]
+    INITIALISED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    initialiser: str
+    initialised: bool
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., initialiser: _Optional[str] = ..., initialised: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer")
+    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     plan: PlanSpec
     plan_fingerprint: str
     optimizer: OptimizerSpec
-    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    session: str
+    job: JobView
+    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialise", "version", "members", "shard_index")
+    __slots__ = ("initialise", "version", "members", "shard_index", "job")
     INITIALISE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     initialise: bool
     version: int
     members: int
     shard_index: int
-    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    job: JobView
+    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobView, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("members",)
@@ -83,11 +103,13 @@ class LeaveReply(_message.Message):
     def __init__(self, members: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: bool
+    def __init__(self, digest: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +124,10 @@ class StatsReply(_message.Message):
     PUSH_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PULL_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -116,7 +142,11 @@ class StatsReply(_message.Message):
     push_bytes_total: int
     pull_bytes_total: int
     pushed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ...) -> None: ...
+    job_id: str
+    waiting: int
+    max_workers: int
+    digest: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32")
@@ -135,18 +165,20 @@ class ChunkHeader(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("worker_id", "round", "lrs", "plan_fingerprint", "pull_dtype")
+    __slots__ = ("worker_id", "round", "lrs", "plan_fingerprint", "pull_dtype", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LRS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     round: int
     lrs: _containers.RepeatedScalarFieldContainer[float]
     plan_fingerprint: str
     pull_dtype: DType
-    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., lrs: _Optional[_Iterable[float]] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    session: str
+    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., lrs: _Optional[_Iterable[float]] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "payload", "round")
@@ -159,14 +191,18 @@ class Frame(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., payload: _Optional[bytes] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("min_version", "plan_fingerprint", "dtype")
+    __slots__ = ("min_version", "plan_fingerprint", "dtype", "worker_id", "session")
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     min_version: int
     plan_fingerprint: str
     dtype: DType
-    def __init__(self, min_version: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    worker_id: str
+    session: str
+    def __init__(self, min_version: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., worker_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("version",)

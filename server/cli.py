@@ -3,16 +3,17 @@
 Prints ``shardps-server shard I/N listening on HOST:PORT`` on stdout once it
 serves (``--port 0`` picks a free port). On SIGTERM it reports NOT_SERVING
 through the gRPC health service, fails waiting pulls with UNAVAILABLE, lets
-in-flight calls finish for ``--grace-seconds`` and exits 0.
+in-flight calls finish for ``--grace-seconds`` and exits 0. A port already
+in use is an error (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
-import threading
 
 import torch
 from grpc_health.v1 import health
@@ -25,33 +26,46 @@ log = logging.getLogger("shardps.server")
 
 
 def parse_args(argv: list[str] | None = None) -> ShardConfig:
+    d = ShardConfig
     p = argparse.ArgumentParser(prog="shardps-server", description="Run one shardps shard.")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 in pods)")
-    p.add_argument("--port", type=int, default=0, help="TCP port, 0 for a free one (default 0)")
+    p.add_argument("--port", type=int, default=0, help="TCP port, 0 for a free one (default 0); a port in use is an error")
     p.add_argument("--shard-index", type=int, required=True, help="this shard's index in [0, num-shards)")
     p.add_argument("--num-shards", type=int, required=True, help="number of shards in the job")
     p.add_argument("--min-workers", type=int, default=1, help="rounds start once this many workers joined (default 1)")
-    p.add_argument("--max-message-bytes", type=int, default=ShardConfig.max_message_bytes,
+    p.add_argument("--max-workers", type=int, default=d.max_workers,
+                   help=f"members at once; more Joins are refused (default {d.max_workers})")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"calls waiting for a version at once (default {d.max_waiting})")
+    p.add_argument("--memory-budget-bytes", type=int, default=None,
+                   help="bytes for parameters, optimizer state and staged gradients; Joins that could exceed it "
+                        "are refused (default: 80%% of the memory limit of this machine or cgroup)")
+    p.add_argument("--max-chunks", type=int, default=d.max_chunks,
+                   help=f"most chunks a job's plan may have (default {d.max_chunks})")
+    p.add_argument("--init-timeout", type=float, default=d.init_timeout_seconds,
+                   help=f"seconds the initialising worker has to send Init (default {d.init_timeout_seconds:.0f})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="gRPC message limit in bytes (default 8 MiB)")
-    p.add_argument("--max-wait-seconds", type=float, default=ShardConfig.max_wait_seconds,
+    p.add_argument("--max-wait-seconds", type=float, default=d.max_wait_seconds,
                    help="longest a pull waits for a round (default 600)")
-    p.add_argument("--grace-seconds", type=float, default=ShardConfig.grace_seconds,
+    p.add_argument("--grace-seconds", type=float, default=d.grace_seconds,
                    help="SIGTERM grace for in-flight calls (default 5)")
-    p.add_argument("--threads", type=int, default=ShardConfig.grpc_threads, help="gRPC handler threads (default 64)")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf gradients instead of rejecting them")
     a = p.parse_args(argv)
+    budget = {} if a.memory_budget_bytes is None else {"memory_budget_bytes": a.memory_budget_bytes}
     try:
         return ShardConfig(
             shard_index=a.shard_index, num_shards=a.num_shards, host=a.host, port=a.port,
-            min_workers=a.min_workers, max_message_bytes=a.max_message_bytes,
-            max_wait_seconds=a.max_wait_seconds, grace_seconds=a.grace_seconds,
-            grpc_threads=a.threads, reject_nonfinite=not a.allow_nonfinite,
+            min_workers=a.min_workers, max_workers=a.max_workers, max_waiting=a.max_waiting,
+            max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout,
+            max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
+            grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
         )
     except ValueError as exc:
         p.error(str(exc))
 
 
-def serve(config: ShardConfig, stop: threading.Event) -> None:
+async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
     """Serve one shard until ``stop`` is set, then shut down gracefully.
 
     Raises:
@@ -59,27 +73,33 @@ def serve(config: ShardConfig, stop: threading.Event) -> None:
     """
     torch.set_num_threads(1)  # one optimizer thread per shard; shards share the node's cores
     store = ShardStore(config)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    server, port = create_server(config, store, health_servicer)
-    server.start()
+    health_servicer = health.aio.HealthServicer()
+    server, port = await create_server(config, store, health_servicer)
+    await server.start()
+    store.warm_up()
     print(f"shardps-server shard {config.shard_index}/{config.num_shards} listening on {config.host}:{port}",
           flush=True)
-    stop.wait()  # blocking wait for SIGTERM/SIGINT
+    await stop.wait()  # until SIGTERM/SIGINT
     log.info("shard %d: stopping (version %d)", config.shard_index, store.version)
-    health_servicer.enter_graceful_shutdown()
+    await health_servicer.enter_graceful_shutdown()
     store.close()
-    server.stop(config.grace_seconds).wait()
+    await server.stop(config.grace_seconds)
     log.info("shard %d: stopped", config.shard_index)
+
+
+async def _main(config: ShardConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(config, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve(config, stop)
+        asyncio.run(_main(config))
     except RuntimeError as exc:
         print(f"shardps-server: {exc}", file=sys.stderr)
         return 1

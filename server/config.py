@@ -1,13 +1,29 @@
-"""Typed configuration of one shard process."""
+"""Typed configuration of one shard process, with every limit a client's request is checked against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 #: Room a frame needs beyond its payload (header, key, tags); bounded by the key length check.
 FRAME_OVERHEAD_BYTES = 64 << 10
+
+
+def default_memory_budget_bytes() -> int:
+    """80% of the memory this process may use: the cgroup v2 limit if one is set, else physical memory.
+
+    Read once at the edge (CLI, ``ShardConfig`` default). Bytes.
+    """
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a Kubernetes pod's memory limit
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        limit = int(text) if text.isdigit() else physical
+    except OSError:
+        limit = physical
+    return int(0.8 * min(physical, limit))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,15 +34,29 @@ class ShardConfig:
         shard_index: this shard's index ``i`` in ``[0, num_shards)``.
         num_shards: how many shards the job has.
         host: interface to bind.
-        port: TCP port; 0 picks a free one (printed at start).
+        port: TCP port; 0 picks a free one (printed at start). A port already
+            in use is an error (``SO_REUSEPORT`` is off).
         min_workers: rounds start once this many workers have joined.
         max_message_bytes: gRPC send/receive message limit in bytes on this
             server; a worker's ``chunk_bytes`` must fit under it.
         max_wait_seconds: longest a pull waits for a version, whatever the
             caller's deadline, in seconds.
-        grpc_threads: gRPC handler threads; each blocked pull holds one.
         reject_nonfinite: reject pushes whose gradients hold NaN or Inf.
         grace_seconds: how long SIGTERM lets in-flight calls finish.
+        max_workers: members at once; a Join beyond it gets RESOURCE_EXHAUSTED.
+        max_waiting: Pull/PushPull calls that may wait for a version at once;
+            one more gets RESOURCE_EXHAUSTED. A waiting call holds no thread.
+        max_id_chars: longest ``worker_id`` (printable characters only).
+        max_keys, max_groups, max_chunks, max_dims: limits on the partition
+            plan a first joiner may ask for, checked arithmetically before the
+            plan is built (building is O(chunks)).
+        memory_budget_bytes: bytes this shard may hold for parameters,
+            optimizer state and staged gradients. A Join is refused when
+            ``shard bytes x (1 + optimizer state buffers + members after the
+            join)`` would exceed it; that product bounds the shard's memory.
+        init_timeout_seconds: how long the worker told to initialise has to
+            complete Init; after it, the next Join takes the role over and
+            waiting pulls are told to join again.
     """
 
     shard_index: int
@@ -36,9 +66,17 @@ class ShardConfig:
     min_workers: int = 1
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_wait_seconds: float = 600.0
-    grpc_threads: int = 64
     reject_nonfinite: bool = True
     grace_seconds: float = 5.0
+    max_workers: int = 1024
+    max_waiting: int = 4096
+    max_id_chars: int = 256
+    max_keys: int = 1 << 17
+    max_groups: int = 4096
+    max_chunks: int = 1 << 20
+    max_dims: int = 32
+    memory_budget_bytes: int = field(default_factory=default_memory_budget_bytes)
+    init_timeout_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -51,10 +89,14 @@ class ShardConfig:
             raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
         if self.max_message_bytes < 2 * FRAME_OVERHEAD_BYTES:
             raise ValueError(f"max_message_bytes must be >= {2 * FRAME_OVERHEAD_BYTES}, got {self.max_message_bytes}")
-        if self.max_wait_seconds <= 0 or self.grace_seconds < 0:
-            raise ValueError("max_wait_seconds must be > 0 and grace_seconds >= 0")
-        if self.grpc_threads < 4:
-            raise ValueError(f"grpc_threads must be >= 4, got {self.grpc_threads}")
+        if self.max_wait_seconds <= 0 or self.grace_seconds < 0 or self.init_timeout_seconds <= 0:
+            raise ValueError("max_wait_seconds and init_timeout_seconds must be > 0 and grace_seconds >= 0")
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})")
+        for name in ("max_waiting", "max_id_chars", "max_keys", "max_groups", "max_chunks", "max_dims",
+                     "memory_budget_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def max_chunk_bytes(self) -> int:

@@ -37,3 +37,15 @@ class Unavailable(ShardError):
     """The shard is shutting down."""
 
     code = "UNAVAILABLE"
+
+
+class AlreadyExists(ShardError):
+    """A Join for a worker id that is a live member from another process (another session)."""
+
+    code = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(ShardError):
+    """A limit of the shard is reached (members, waiting calls, memory budget)."""
+
+    code = "RESOURCE_EXHAUSTED"

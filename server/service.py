@@ -1,17 +1,25 @@
-"""gRPC adapter over :class:`ShardStore`: one servicer for ``shardps.v1.Shard``, plus health.
+"""gRPC adapter over :class:`ShardStore`: one asyncio servicer for ``shardps.v1.Shard``, plus health.
 
-Method handlers are built from the service descriptor in the generated
-``shardps_pb2``: calls whose messages are ``Frame`` are registered with
-identity (de)serializers so chunk payloads are never copied through
-protobuf objects (see ``shardps.proto.codec``); control calls use the
-generated message classes.
+The server is a ``grpc.aio`` server: a call that waits for a version is a
+suspended coroutine, not a blocked thread, so waiting calls never starve
+Stats, Join, pushes or the health check, and a cancelled call is woken and
+freed at once.
+
+Every method takes its request as raw bytes (identity deserializers) and
+parses it itself, so a malformed body gets INVALID_ARGUMENT instead of
+gRPC's INTERNAL; ``Frame`` streams stay raw bytes end to end so chunk
+payloads are never copied through protobuf objects (see
+``shardps.proto.codec``). A :class:`~shardps.server.errors.ShardError` becomes
+the status of the same name; anything else is a bug: logged with its
+traceback and answered INTERNAL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,22 +36,64 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"]
 
 
-def _abort(context: grpc.ServicerContext, exc: ShardError) -> None:
-    context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-
-
-def _round_header(request_iterator: Iterator[bytes], what: str) -> pb.RoundHeader:
+def _parse(cls, data: bytes, what: str):
     try:
-        first = next(request_iterator)
-    except StopIteration:
+        return cls.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError (bad wire format, invalid UTF-8)
+        raise InvalidArgument(f"{what}: malformed {cls.__name__} ({len(data)} bytes): {exc}") from None
+
+
+async def _round_header(request_iterator: AsyncIterator[bytes], what: str) -> pb.RoundHeader:
+    try:
+        first = await anext(request_iterator)
+    except StopAsyncIteration:
         raise InvalidArgument(f"{what}: empty stream; the first frame must be a round header") from None
     try:
         frame = decode_frame(first)
     except FrameError as exc:
-        raise InvalidArgument(f"{what}: {exc}") from exc
+        raise InvalidArgument(f"{what}: {exc}") from None
     if frame.round is None:
         raise InvalidArgument(f"{what}: the first frame must be a round header, got a chunk")
     return frame.round
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, ShardError):
+        await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    log.error("%s failed", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error in the shard ({type(exc).__name__}); "
+                                                  "see the shard's log")
+
+
+def _unary(method):
+    """Map a unary-response handler's errors to statuses (see the module docstring)."""
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, method.__name__, exc)
+
+    return handler
+
+
+def _streaming(method):
+    """The same for handlers that stream their response (async generators)."""
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, method.__name__, exc)
+
+    return handler
 
 
 class ShardServicer:
@@ -52,53 +102,44 @@ class ShardServicer:
     def __init__(self, store: ShardStore) -> None:
         self.store = store
 
-    def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
-        try:
-            result = self.store.join(request.worker_id, request.plan, request.plan_fingerprint, request.optimizer)
-        except ShardError as exc:
-            _abort(context, exc)
-        return pb.JoinReply(
-            initialise=result.initialise,
-            version=result.version,
-            members=result.members,
-            shard_index=self.store.config.shard_index,
-        )
+    @_unary
+    async def Join(self, request: bytes, context) -> pb.JoinReply:
+        return await self.store.join(_parse(pb.JoinRequest, request, "join"))
 
-    def Init(self, request_iterator, context) -> pb.InitReply:
-        try:
-            header = _round_header(request_iterator, "init")
-            return pb.InitReply(version=self.store.init(header, request_iterator))
-        except ShardError as exc:
-            _abort(context, exc)
+    @_unary
+    async def Init(self, request_iterator, context) -> pb.InitReply:
+        header = await _round_header(request_iterator, "init")
+        return pb.InitReply(version=await self.store.init(header, request_iterator))
 
-    def Push(self, request_iterator, context) -> pb.PushReply:
-        try:
-            header = _round_header(request_iterator, "push")
-            return pb.PushReply(version=self.store.push(header, request_iterator))
-        except ShardError as exc:
-            _abort(context, exc)
+    @_unary
+    async def Push(self, request_iterator, context) -> pb.PushReply:
+        header = await _round_header(request_iterator, "push")
+        return pb.PushReply(version=await self.store.push(header, request_iterator))
 
-    def Pull(self, request: pb.PullRequest, context) -> Iterator[bytes]:
-        try:
-            version = self.store.wait_version(request.min_version, context.time_remaining())
-            yield from self.store.pull(version, request.dtype, request.plan_fingerprint)
-        except ShardError as exc:
-            _abort(context, exc)
+    @_streaming
+    async def Pull(self, request: bytes, context) -> AsyncIterator[bytes]:
+        req = _parse(pb.PullRequest, request, "pull")
+        self.store.check_pull(req)
+        version = await self.store.wait_version(req.worker_id, req.session, req.min_version, context.time_remaining())
+        async for frame in self.store.pull(version, req.dtype):
+            yield frame
 
-    def PushPull(self, request_iterator, context) -> Iterator[bytes]:
-        try:
-            header = _round_header(request_iterator, "push")
-            self.store.push(header, request_iterator)
-            version = self.store.wait_version(header.round + 1, context.time_remaining())
-            yield from self.store.pull(version, header.pull_dtype, header.plan_fingerprint)
-        except ShardError as exc:
-            _abort(context, exc)
+    @_streaming
+    async def PushPull(self, request_iterator, context) -> AsyncIterator[bytes]:
+        header = await _round_header(request_iterator, "push")
+        await self.store.push(header, request_iterator)
+        version = await self.store.wait_version(header.worker_id, header.session, header.round + 1,
+                                                context.time_remaining())
+        async for frame in self.store.pull(version, header.pull_dtype):
+            yield frame
 
-    def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        return pb.LeaveReply(members=self.store.leave(request.worker_id))
+    @_unary
+    async def Leave(self, request: bytes, context) -> pb.LeaveReply:
+        return pb.LeaveReply(members=self.store.leave(_parse(pb.LeaveRequest, request, "leave")))
 
-    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
-        return self.store.stats()
+    @_unary
+    async def Stats(self, request: bytes, context) -> pb.StatsReply:
+        return await self.store.stats(_parse(pb.StatsRequest, request, "stats"))
 
 
 _KINDS = {
@@ -110,44 +151,43 @@ _KINDS = {
 
 
 def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
-    """Handlers for every method of ``shardps.v1.Shard``; Frame streams stay raw bytes."""
+    """Handlers for every method of ``shardps.v1.Shard``: raw-bytes requests, Frame responses stay raw."""
     handlers = {}
     for method in SERVICE.methods:
-        request_raw = method.input_type.name == "Frame"
         response_raw = method.output_type.name == "Frame"
         make = _KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=None if request_raw else getattr(pb, method.input_type.name).FromString,
+            request_deserializer=None,
             response_serializer=None if response_raw else getattr(pb, method.output_type.name).SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
-def create_server(
-    config: ShardConfig, store: ShardStore, health_servicer: health.HealthServicer
-) -> tuple[grpc.Server, int]:
-    """Build (not start) the gRPC server for one shard and bind it.
+async def create_server(
+    config: ShardConfig, store: ShardStore, health_servicer: health.aio.HealthServicer
+) -> tuple[grpc.aio.Server, int]:
+    """Build (not start) the gRPC server for one shard and bind it; call from the event loop.
+
+    ``SO_REUSEPORT`` is off, so a port another process listens on is an
+    error here instead of two shards silently sharing it.
 
     Returns:
         ``(server, port)``; ``port`` is the bound port (useful with ``config.port == 0``).
 
     Raises:
-        RuntimeError: the address could not be bound.
+        RuntimeError: the address could not be bound (in use, or not an address of this host).
     """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="shard-rpc"),
-        options=channel_options(config.max_message_bytes),
-    )
+    server = grpc.aio.server(options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((generic_handler(ShardServicer(store)),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise RuntimeError(f"could not bind {address}: {exc}") from exc
+        raise RuntimeError(f"could not bind {address} (is another process listening there?): {exc}") from None
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise RuntimeError(f"could not bind {address} (is another process listening there?)")
     for name in ("", SERVICE.full_name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port

@@ -1,4 +1,9 @@
-"""Shared fixtures: real shard processes on 127.0.0.1 free ports, always stopped."""
+"""Shared fixtures: real shard processes on 127.0.0.1 free ports, always stopped.
+
+Shards are forked from a preloaded interpreter (``tests.forked``): the same
+``shardps-server`` code in its own process, without paying torch's import
+for each of the ~100 shards the suite starts.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import pytest
 import torch
 
 from shardps.worker.cluster import LocalCluster
+from tests.forked import ForkedCluster
 
 
 @pytest.fixture
@@ -14,7 +20,7 @@ def start_cluster():
     clusters: list[LocalCluster] = []
 
     def start(num_shards: int, **kwargs) -> LocalCluster:
-        cluster = LocalCluster(num_shards, **kwargs).start()
+        cluster = ForkedCluster(num_shards, **kwargs).start()
         clusters.append(cluster)
         return cluster
 

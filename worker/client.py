@@ -68,11 +68,13 @@ class ShardClient:
         """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch)."""
         return self._unary("join", self.stub.Join, request)
 
-    def leave(self, worker_id: str, timeout: float | None = None) -> pb.LeaveReply:
-        return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id), timeout)
+    def leave(self, worker_id: str, session: str, timeout: float | None = None) -> pb.LeaveReply:
+        """Leave the shard as member ``worker_id`` of ``session``."""
+        return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
 
-    def stats(self) -> pb.StatsReply:
-        return self._unary("stats", self.stub.Stats, pb.StatsRequest())
+    def stats(self, digest: bool = False) -> pb.StatsReply:
+        """The shard's Stats; ``digest`` also hashes its parameters and optimizer state (reads every byte)."""
+        return self._unary("stats", self.stub.Stats, pb.StatsRequest(digest=digest))
 
     def init(self, frames) -> pb.InitReply:
         """Send the initial parameters (an iterator of encoded frames, round header first)."""

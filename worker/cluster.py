@@ -19,7 +19,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 class LocalCluster:
@@ -39,6 +38,9 @@ class LocalCluster:
         RuntimeError: a shard exited or did not report its address in time
             (the message holds the end of its log).
     """
+
+    #: The line a shard prints on stdout once it serves.
+    LISTENING = re.compile(r"listening on (\S+:\d+)")
 
     def __init__(
         self,
@@ -72,19 +74,20 @@ class LocalCluster:
         except OSError:
             return ""
 
+    def _spawn(self, shard: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "shardps.server", "--host", self.host, "--port", "0",
+            "--shard-index", str(shard), "--num-shards", str(self.num_shards),
+            "--min-workers", str(self.min_workers), *self.extra_args,
+        ]
+        with open(self.log_path(shard), "ab") as err:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+
     def start(self) -> "LocalCluster":
         self._log_dir = Path(tempfile.mkdtemp(prefix="shardps-cluster-"))
         try:
             for i in range(self.num_shards):
-                cmd = [
-                    sys.executable, "-m", "shardps.server", "--host", self.host, "--port", "0",
-                    "--shard-index", str(i), "--num-shards", str(self.num_shards),
-                    "--min-workers", str(self.min_workers), *self.extra_args,
-                ]
-                with open(self.log_path(i), "wb") as err:
-                    self.processes.append(
-                        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
-                    )
+                self.processes.append(self._spawn(i))
             deadline = time.monotonic() + self.start_timeout
             self.addresses = [self._wait_address(i, deadline) for i in range(self.num_shards)]
         except BaseException:
@@ -104,10 +107,28 @@ class LocalCluster:
                 raise RuntimeError(
                     f"shard {shard} exited with code {proc.wait()} before serving:\n{self.log_tail(shard)}"
                 )
-            if m := _LISTENING.search(line):
+            if m := self.LISTENING.search(line):
                 return m.group(1)
         raise RuntimeError(f"shard {shard} did not report its address in {self.start_timeout:.0f}s:\n"
                            f"{self.log_tail(shard)}")
+
+    def restart(self, shard: int) -> str:
+        """Kill shard ``shard`` (SIGKILL: no shutdown, its state is lost) and start a fresh process for it.
+
+        Returns:
+            The new shard's address (a new free port); ``addresses`` is updated.
+
+        Raises:
+            RuntimeError: the new process did not report its address in time.
+        """
+        old = self.processes[shard]
+        old.kill()
+        old.wait()
+        if old.stdout:
+            old.stdout.close()
+        self.processes[shard] = self._spawn(shard)
+        self.addresses[shard] = self._wait_address(shard, time.monotonic() + self.start_timeout)
+        return self.addresses[shard]
 
     def stop(self, timeout: float = 15.0) -> list[int | None]:
         """SIGTERM every shard, wait up to ``timeout`` seconds, SIGKILL the rest.

@@ -7,33 +7,32 @@ for it, and ``step()`` leaves the parameters updated in place. Unlike them,
 the update itself runs on the shards, which hold the optimizer state (the
 local optimizer never allocates any).
 
-Threads: each step opens one PushPull stream per shard. gRPC's own
-request-consumer thread encodes chunks from a per-shard queue that the
-gradient hooks fill; a small thread pool reads the parameter frames coming
-back. Hooks only slice tensors and enqueue them: no host sync, no I/O.
+Each step opens one PushPull stream per shard (``shardps.worker.rounds``);
+joining and initialising the shards follows ``shardps.worker.join``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-import queue
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import decode_frame, encode_chunk, encode_round, payload_tensor, wire_dtype, TORCH_DTYPES
+from shardps.proto.codec import TORCH_DTYPES, wire_dtype
 from shardps.proto.optim import current_lrs, optimizer_spec
 from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.join import JoinPlan, join_job
+from shardps.worker.rounds import ParameterSink, Round, init_requests, push_requests
 
 log = logging.getLogger(__name__)
 
@@ -43,37 +42,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 def default_worker_id() -> str:
     """A worker id unique to this process: ``host-pid-random``."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class _Round:
-    """State of one push/pull round trip across all shards.
-
-    ``ready[key]`` is set once every chunk of ``key`` has been pulled;
-    ``sent[shard]`` once the push stream to ``shard`` has encoded its last chunk.
-    """
-
-    def __init__(self, num_shards: int, chunks_per_key: dict[str, int]) -> None:
-        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_shards)]
-        self.calls: list = []
-        self.pushed: set[str] = set()
-        self.sent = [threading.Event() for _ in range(num_shards)]
-        self.remaining = dict(chunks_per_key)
-        self.ready = {key: threading.Event() for key in chunks_per_key}
-        self.lock = threading.Lock()
-        self.futures: list = []
-
-    def chunk_arrived(self, key: str) -> None:
-        with self.lock:
-            self.remaining[key] -= 1
-            done = self.remaining[key] == 0
-        if done:
-            self.ready[key].set()
-
-    def failed(self) -> BaseException | None:
-        for f in self.futures:
-            if f.done() and f.exception() is not None:
-                return f.exception()
-        return None
 
 
 class DistributedOptimizer:
@@ -87,7 +55,10 @@ class DistributedOptimizer:
             called and it never allocates state.
         named_parameters: ``model.named_parameters()``; the names are the keys.
         servers: shard addresses ``host:port``, in shard-index order.
-        worker_id: stable id of this worker (default: host-pid-random).
+        worker_id: stable id of this worker (default: host-pid-random), 1 to 256
+            printable characters. Two live processes may not share one: the
+            second is refused with ALREADY_EXISTS. The process is told apart by
+            ``session``, a random token made here and sent with every call.
         chunk_bytes: largest chunk in bytes of fp32 (default 1 MiB); every worker
             of a job must use the same value.
         push_dtype, pull_dtype: wire types of gradients and parameters
@@ -149,6 +120,7 @@ class DistributedOptimizer:
             keys_from_named_parameters(named, optimizer.param_groups), num_shards=len(servers), chunk_bytes=chunk_bytes
         )
         self.worker_id = worker_id or default_worker_id()
+        self.session = uuid.uuid4().hex
         self._push_dtype = TORCH_DTYPES[wire_dtype(push_dtype)]
         self._pull_code = wire_dtype(pull_dtype)
         self._passes = backward_passes_per_step
@@ -158,13 +130,13 @@ class DistributedOptimizer:
         self._chunks_of: dict[str, list[Chunk]] = {}
         for c in self.plan.chunks:
             self._chunks_of.setdefault(c.key, []).append(c)
-        self._chunk_at = {(c.key, c.offset): c for c in self.plan.chunks}
-        self._shard_sizes = [len(self.plan.shard_chunks(s)) for s in range(self.plan.num_shards)]
+        self._sink = ParameterSink(self.plan, self._params)
         self._counts = dict.fromkeys(self._params, 0)
         self._chunk_counts = {key: len(chunks) for key, chunks in self._chunks_of.items()}
-        self._round: _Round | None = None  # the round being pushed
-        self._pulling: _Round | None = None  # the round whose parameters are still arriving
+        self._round: Round | None = None  # the round being pushed
+        self._pulling: Round | None = None  # the round whose parameters are still arriving
         self._rpc_timeout = rpc_timeout
+        self._diverged = ""  # set when a round was applied by some shards and failed by others
         self._lock = threading.Lock()  # guards self._round between hooks and step()
         self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
         self._clients: list[ShardClient] = []
@@ -180,7 +152,9 @@ class DistributedOptimizer:
                     enumerate(servers),
                 )
             )
-            self.versions = list(self._pool.map(self._join_and_pull, range(len(servers))))
+            join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
+                            fingerprint=self.plan.fingerprint, optimizer=self._spec)
+            self.versions = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
         except BaseException:
             self.close()
             raise
@@ -192,32 +166,18 @@ class DistributedOptimizer:
             self._register_forward_waits(model)
 
     # ------------------------------------------------------------ joining
-    def _join_and_pull(self, shard: int) -> int:
-        client = self._clients[shard]
-        reply = client.join(
-            pb.JoinRequest(
-                worker_id=self.worker_id,
-                plan=self.plan.to_proto(),
-                plan_fingerprint=self.plan.fingerprint,
-                optimizer=self._spec,
-            )
-        )
-        if reply.initialise:
-            client.init(self._init_frames(shard))
-        return self._pull(shard, min_version=0)
+    def _init_frames(self, shard: int):
+        header = pb.RoundHeader(worker_id=self.worker_id, session=self.session, plan_fingerprint=self.plan.fingerprint)
+        return init_requests(header, self.plan, shard, self._params)
 
-    def _init_frames(self, shard: int) -> Iterator[bytes]:
-        yield encode_round(pb.RoundHeader(worker_id=self.worker_id, plan_fingerprint=self.plan.fingerprint))
-        for c in self.plan.shard_chunks(shard):
-            flat = self._params[c.key].detach().reshape(-1)
-            yield encode_chunk(c.key, c.offset, flat[c.offset : c.offset + c.numel].to("cpu", torch.float32), 0)
-
-    def _pull(self, shard: int, min_version: int) -> int:
+    def _initial_pull(self, shard: int, calls: list) -> int:
         client = self._clients[shard]
-        call = client.pull(
-            pb.PullRequest(min_version=min_version, plan_fingerprint=self.plan.fingerprint, dtype=self._pull_code)
-        )
-        return self._receive(shard, call, min_version, "pull")
+        call = client.pull(pb.PullRequest(
+            min_version=0, plan_fingerprint=self.plan.fingerprint, dtype=self._pull_code,
+            worker_id=self.worker_id, session=self.session,
+        ))
+        calls.append(call)
+        return self._sink.receive(client, call, 0, "pull")
 
     def _register_forward_waits(self, model: torch.nn.Module) -> None:
         """Pre-hook every submodule of ``model``; see :meth:`_learn_wait_keys`."""
@@ -268,58 +228,29 @@ class DistributedOptimizer:
                     self._finish_pull()  # raises the pull's error
                     raise TimeoutError(f"parameters of {key!r} did not arrive within {self._rpc_timeout:.0f}s")
 
-    def _receive(self, shard: int, call, min_version: int, what: str, rnd: _Round | None = None) -> int:
-        """Copy every parameter frame of ``call`` into the model; returns the version received."""
-        version, count = None, 0
-        try:
-            with torch.no_grad():
-                for raw in call:  # blocking reads from the network
-                    frame = decode_frame(raw)
-                    h = frame.header
-                    c = self._chunk_at.get((h.key, h.offset)) if h is not None else None
-                    if c is None or c.shard != shard or c.numel != h.numel:
-                        raise RuntimeError(f"shard {shard} sent a chunk that is not in the partition plan: {h}")
-                    if version is None:
-                        version = h.version
-                    if h.version != version or version < min_version:
-                        raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
-                    flat = self._params[c.key].data.view(-1)
-                    flat[c.offset : c.offset + c.numel].copy_(payload_tensor(h, frame.payload))
-                    count += 1
-                    if rnd is not None:
-                        rnd.chunk_arrived(c.key)
-        except grpc.RpcError as exc:
-            raise self._clients[shard].error(what, exc) from None
-        if count != self._shard_sizes[shard]:
-            raise RuntimeError(f"shard {shard} sent {count} of {self._shard_sizes[shard]} chunks in its {what}")
-        return min_version if version is None else version
-
     # ------------------------------------------------------------ pushing
-    def _open_round(self) -> _Round:
+    def _open_round(self) -> Round:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
         if self._round is None:
             self._finish_pull()  # blocking wait, normally a no-op: the forward already waited
-            rnd = _Round(len(self._clients), self._chunk_counts)
+            if self._diverged:
+                raise RuntimeError(self._diverged)
             lrs = current_lrs(self._optimizer)
+            bad = [(g, lr) for g, lr in enumerate(lrs) if not (math.isfinite(lr) and lr >= 0)]
+            if bad:
+                raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
+            rnd = Round(len(self._clients), self._chunk_counts)
             for shard, client in enumerate(self._clients):
                 header = pb.RoundHeader(
-                    worker_id=self.worker_id, round=self.versions[shard], lrs=lrs,
+                    worker_id=self.worker_id, session=self.session, round=self.versions[shard], lrs=lrs,
                     plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
                 )
-                rnd.calls.append(client.push_pull(self._requests(header, rnd.queues[shard], rnd.sent[shard])))
+                requests = push_requests(header, rnd.queues[shard], rnd.sent[shard], self._push_dtype, self._checksum)
+                rnd.calls.append(client.push_pull(requests))
             self._round = rnd
         return self._round
 
-    def _requests(self, header: pb.RoundHeader, q: queue.SimpleQueue, sent: threading.Event) -> Iterator[bytes]:
-        """Request stream of one shard; runs on gRPC's request-consumer thread."""
-        yield encode_round(header)
-        while (item := q.get()) is not None:  # blocking wait for the hooks
-            chunk, values = item
-            values = values.to("cpu", self._push_dtype)  # host sync for CUDA gradients, off the hook
-            yield encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=self._checksum)
-        sent.set()  # every gradient byte of this shard is copied into a frame
-
-    def _enqueue(self, rnd: _Round, key: str, grad: torch.Tensor | None) -> None:
+    def _enqueue(self, rnd: Round, key: str, grad: torch.Tensor | None) -> None:
         if grad is None:
             grad = torch.zeros_like(self._params[key])
         flat = grad.detach().reshape(-1)
@@ -381,24 +312,41 @@ class DistributedOptimizer:
             self._learn_wait_keys()
         expected = [v + 1 for v in self.versions]
         rnd.futures = [
-            self._pool.submit(self._receive, s, call, expected[s], "push_pull", rnd) for s, call in enumerate(rnd.calls)
+            self._pool.submit(self._sink.receive, self._clients[s], call, expected[s], "push_pull", rnd)
+            for s, call in enumerate(rnd.calls)
         ]
         self._pulling = rnd
 
     def _finish_pull(self) -> None:
-        """Wait for the pending pulls (if any) and record the versions received."""
+        """Wait for the pending pulls (if any) and record the versions received.
+
+        If some shards applied the round and others failed it, the model's
+        partitions are now at different versions: every later step raises
+        (sync training cannot go on from a half-applied round).
+        """
         rnd = self._pulling
         if rnd is None:
             return
-        try:
-            versions = [f.result() for f in rnd.futures]  # blocking wait for every shard
-        except BaseException:
-            for call in rnd.calls:
-                call.cancel()
-            raise
-        finally:
-            self._pulling = None
-        self.versions = versions
+        self._pulling = None
+        wait(rnd.futures, return_when=FIRST_EXCEPTION)  # blocking wait for every shard, or the first failure
+        failed = [s for s, f in enumerate(rnd.futures) if f.done() and f.exception() is not None]
+        if not failed:
+            self.versions = [f.result() for f in rnd.futures]
+            return
+        for call in rnd.calls:
+            call.cancel()
+        wait(rnd.futures)
+        applied = [s for s, f in enumerate(rnd.futures) if f.exception() is None]
+        for s in applied:
+            self.versions[s] = rnd.futures[s].result()
+        error = rnd.futures[failed[0]].exception()
+        if applied:
+            self._diverged = (
+                f"shard(s) {applied} applied round {self.versions[applied[0]] - 1} but shard {failed[0]} failed it "
+                f"({error}): the model's partitions are at different versions {self.versions}; restore the job "
+                "from a checkpoint"
+            )
+        raise error
 
     def step(self, closure=None):
         """Finish this round: push the gradients, pull the updated parameters into the model.
@@ -464,7 +412,7 @@ class DistributedOptimizer:
                 call.cancel()
         for client in self._clients:
             try:
-                client.leave(self.worker_id, timeout=5.0)
+                client.leave(self.worker_id, self.session, timeout=5.0)
             except ShardRpcError as exc:
                 log.warning("leaving shard %d failed: %s", client.index, exc)
             client.close()

@@ -13,6 +13,7 @@ from shardps.proto.optim import optimizer_spec
 from shardps.proto.plan import KeyInfo, PartitionPlan
 from shardps.worker.client import ShardClient, ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer
+from tests.raw import RawWorker
 
 CHUNK_BYTES = 256
 
@@ -37,16 +38,18 @@ def joined(start_cluster):
     dist.close()
 
 
-def pull_params(client: ShardClient, fingerprint: str) -> bytes:
-    return b"".join(client.pull(pb.PullRequest(min_version=0, plan_fingerprint=fingerprint)))
+def as_w0(dist: DistributedOptimizer, client: ShardClient) -> RawWorker:
+    """Hand-made calls of the joined member w0 (its own session)."""
+    return RawWorker(client, "w0", dist.plan, dist._spec, session=dist.session)
+
+
+def pull_params(client: ShardClient, dist: DistributedOptimizer) -> bytes:
+    return as_w0(dist, client).pull()
 
 
 def push_frames(dist: DistributedOptimizer, chunks: list[tuple[str, int, torch.Tensor]], round_: int = 0):
-    yield encode_round(
-        pb.RoundHeader(worker_id="w0", round=round_, lrs=[0.1], plan_fingerprint=dist.plan.fingerprint)
-    )
-    for key, offset, values in chunks:
-        yield encode_chunk(key, offset, values, round_)
+    w0 = RawWorker(None, "w0", dist.plan, dist._spec, session=dist.session)
+    yield from w0.frames(w0.header(round_, lrs=[0.1]), chunks)
 
 
 def good_chunks(dist: DistributedOptimizer) -> list[tuple[str, int, torch.Tensor]]:
@@ -67,7 +70,7 @@ def good_chunks(dist: DistributedOptimizer) -> list[tuple[str, int, torch.Tensor
 def test_bad_push_is_rejected_and_changes_nothing(joined, mutate, message) -> None:
     _, dist, _, client = joined
     before_stats = client.stats()
-    before = pull_params(client, dist.plan.fingerprint)
+    before = pull_params(client, dist)
     with pytest.raises(ShardRpcError) as err:
         client.push(push_frames(dist, mutate(good_chunks(dist))))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -75,7 +78,7 @@ def test_bad_push_is_rejected_and_changes_nothing(joined, mutate, message) -> No
     after_stats = client.stats()
     assert after_stats.version == before_stats.version == 0
     assert list(after_stats.pushed) == []
-    assert pull_params(client, dist.plan.fingerprint) == before
+    assert pull_params(client, dist) == before
     # the shard still works: a correct push of the same round is accepted and applied
     assert client.push(push_frames(dist, good_chunks(dist))).version == 1
 
@@ -86,7 +89,8 @@ def test_push_of_wrong_round_or_non_member(joined) -> None:
         client.push(push_frames(dist, good_chunks(dist), round_=3))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     frames = list(push_frames(dist, good_chunks(dist)))
-    frames[0] = encode_round(pb.RoundHeader(worker_id="stranger", lrs=[0.1], plan_fingerprint=dist.plan.fingerprint))
+    frames[0] = encode_round(pb.RoundHeader(worker_id="stranger", session="s", lrs=[0.1],
+                                            plan_fingerprint=dist.plan.fingerprint))
     with pytest.raises(ShardRpcError, match="not a member"):
         client.push(iter(frames))
     assert client.stats().version == 0
@@ -111,8 +115,7 @@ def test_rejected_optimizer(start_cluster) -> None:
         for name in ("LAMB", "LBFGS"):
             spec = pb.OptimizerSpec(class_name=name, group_hyperparams_json=['{"lr": 0.1}'])
             with pytest.raises(ShardRpcError, match="only element-wise optimizers") as err:
-                client.join(pb.JoinRequest(worker_id="w", plan=plan.to_proto(), plan_fingerprint=plan.fingerprint,
-                                           optimizer=spec))
+                RawWorker(client, "w", plan, spec).join()
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         stats = client.stats()
         assert list(stats.members) == [] and stats.plan_fingerprint == ""
@@ -122,9 +125,7 @@ def test_rejected_optimizer(start_cluster) -> None:
                                  servers=cluster.addresses)
         # and the same shard then accepts a shardable optimizer
         good = optimizer_spec(torch.optim.Adam(m.parameters()))
-        reply = client.join(pb.JoinRequest(worker_id="w", plan=plan.to_proto(), plan_fingerprint=plan.fingerprint,
-                                           optimizer=good))
-        assert reply.initialise
+        assert RawWorker(client, "w", plan, good).join().initialise
     finally:
         client.close()
 
@@ -184,9 +185,9 @@ def test_oversized_messages_are_refused(start_cluster) -> None:
     client = ShardClient(cluster.addresses[0], index=0)
     try:
         huge = encode_chunk("weight", 0, torch.zeros(90_000), 0)  # 360 KB frame > 256 KiB limit
+        header = pb.RoundHeader(worker_id="w0", session=dist.session, lrs=[0.1], plan_fingerprint=dist.plan.fingerprint)
         with pytest.raises(ShardRpcError) as err:
-            client.push(iter([encode_round(pb.RoundHeader(worker_id="w0", lrs=[0.1],
-                                                          plan_fingerprint=dist.plan.fingerprint)), huge]))
+            client.push(iter([encode_round(header), huge]))
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert client.stats().version == 0
     finally:
@@ -198,7 +199,6 @@ def test_later_joiner_with_malformed_optimizer_spec(joined) -> None:
     _, dist, _, client = joined
     bad = pb.OptimizerSpec(class_name="SGD", group_hyperparams_json=["{not json"])
     with pytest.raises(ShardRpcError, match="not valid JSON") as err:
-        client.join(pb.JoinRequest(worker_id="w9", plan=dist.plan.to_proto(),
-                                   plan_fingerprint=dist.plan.fingerprint, optimizer=bad))
+        RawWorker(client, "w9", dist.plan, bad).join()
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert list(client.stats().members) == ["w0"]

@@ -9,8 +9,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardps.proto import shardps_pb2 as pb
-from shardps.worker.client import ShardClient
+import torch
+
+from shardps.worker.client import ShardClient, ShardRpcError
+from tests.raw import RawWorker, plan_and_spec
 
 
 def test_sigterm_stops_cleanly_and_wakes_waiting_pulls(start_cluster) -> None:
@@ -22,14 +24,18 @@ def test_sigterm_stops_cleanly_and_wakes_waiting_pulls(start_cluster) -> None:
         health_pb2.HealthCheckResponse.SERVING
 
     client = ShardClient(address, index=0, rpc_timeout=60.0)
+    m = torch.nn.Linear(4, 2)
+    member = RawWorker(client, "w0", *plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1)))
+    member.join()
+    member.init(0, dict(m.named_parameters()))
     outcome: dict = {}
 
-    def waiting_pull() -> None:  # version 5 never comes: this pull blocks on the shard
+    def waiting_pull() -> None:  # version 5 never comes: this pull waits on the shard
         try:
-            list(client.pull(pb.PullRequest(min_version=5)))
+            member.pull(5)
             outcome["result"] = "returned"
-        except grpc.RpcError as exc:
-            outcome["result"] = exc.code()
+        except ShardRpcError as exc:
+            outcome["result"] = exc.code
         outcome["at"] = time.monotonic()
 
     t = threading.Thread(target=waiting_pull, daemon=True)

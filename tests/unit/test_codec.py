@@ -1,8 +1,19 @@
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FrameError, decode_frame, encode_chunk, encode_round, payload_tensor
+from shardps.proto.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_round
+
+
+def decoded_values(raw: bytes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    frame = decode_frame(raw)
+    out = torch.empty(frame.header.numel, dtype=dtype)
+    copy_payload(frame.header, frame.payload, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -12,8 +23,8 @@ def test_hand_encoded_frame_is_valid_protobuf(dtype) -> None:
     msg = pb.Frame.FromString(raw)  # any protobuf runtime can read our frames
     assert msg.header.key == "layer.weight" and msg.header.offset == 4096 and msg.header.version == 7
     assert msg.payload == values.view(torch.uint8).numpy().tobytes()
-    frame = decode_frame(raw)
-    assert torch.equal(payload_tensor(frame.header, frame.payload), values)
+    assert torch.equal(decoded_values(raw, dtype), values)  # same dtype: one memcpy
+    assert torch.equal(decoded_values(raw, torch.float32), values.float())  # converted through a scratch tensor
 
 
 def test_protobuf_encoded_frames_decode_too() -> None:
@@ -21,8 +32,7 @@ def test_protobuf_encoded_frames_decode_too() -> None:
     raw = pb.Frame(
         header=pb.ChunkHeader(key="k", offset=0, numel=5, dtype=pb.FLOAT32), payload=values.numpy().tobytes()
     ).SerializeToString()
-    frame = decode_frame(raw)
-    assert torch.equal(payload_tensor(frame.header, frame.payload), values)
+    assert torch.equal(decoded_values(raw), values)
     header = decode_frame(encode_round(pb.RoundHeader(worker_id="w", round=3))).round
     assert header.worker_id == "w" and header.round == 3
 
@@ -32,11 +42,42 @@ def test_bad_frames_raise_frame_error() -> None:
     frame = decode_frame(raw)
     wrong_size = pb.ChunkHeader(key="k", offset=0, numel=5, dtype=pb.FLOAT32)
     with pytest.raises(FrameError, match="declares 5"):
-        payload_tensor(wrong_size, frame.payload)
+        copy_payload(wrong_size, frame.payload, torch.empty(5))
     corrupted = bytearray(raw)
     corrupted[-1] ^= 0xFF
     bad = decode_frame(bytes(corrupted))
     with pytest.raises(FrameError, match="CRC"):
-        payload_tensor(bad.header, bad.payload)
+        copy_payload(bad.header, bad.payload, torch.empty(4))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xff\xff",  # unknown wire type
+        b"\x0a",  # header tag with no length
+        b"\x0a\x05\x0a\x03ab",  # truncated chunk header (length past the end)
+        b"\x0a\x02\x0a\x01",  # key field truncated inside the header
+        b"\x0a\x04\x0a\x02\xff\xfe",  # key with invalid UTF-8
+        b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",  # varint longer than 64 bits
+        encode_chunk("k", 0, torch.ones(4), 0)[:-3],  # truncated payload
+        b"",  # neither a chunk nor a round header
+        b"\x1a\x03\x0a\x01",  # truncated round header
+    ],
+)
+def test_malformed_frames_raise_only_frame_error(raw: bytes) -> None:
     with pytest.raises(FrameError):
-        decode_frame(b"\xff\xff\xff")
+        decode_frame(raw)
+
+
+def test_import_leaves_warning_filters_alone_and_decoding_warns_nothing() -> None:
+    code = (  # torch installs filters of its own at import: take the baseline after it
+        "import warnings, torch, grpc, grpc.aio; before = list(warnings.filters); "
+        "import shardps.proto.codec, shardps.worker, shardps.server.service, shardps.server.cli, shardps.worker.cli; "
+        "assert warnings.filters == before, 'importing shardps changed the warning filters'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    raw = encode_chunk("k", 0, torch.randn(64), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "buffer is not writable" would raise here
+        decoded_values(raw)
+        decoded_values(raw, torch.bfloat16)

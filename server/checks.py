@@ -1,0 +1,147 @@
+"""Checks of every value a client sends, made before the shard does any work with it.
+
+Each check raises :class:`~shardps.server.errors.InvalidArgument` (or
+``FailedPrecondition`` / ``ResourceExhausted`` where the request is
+well-formed but does not fit) with a message that names the field and the
+fix. Sizes are checked arithmetically, so a 60-byte Join that asks for
+2^40 elements costs microseconds, not a plan build.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.codec import TORCH_DTYPES
+from shardps.proto.plan import MASTER_ITEMSIZE, MIN_CHUNK_BYTES
+from shardps.server.config import ShardConfig
+from shardps.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+#: Longest session token (DistributedOptimizer sends 32 hex characters).
+MAX_SESSION_CHARS = 64
+#: Longest parameter key.
+MAX_KEY_CHARS = 1024
+#: How much of a client-chosen string goes into a message or a log line.
+SHOWN_CHARS = 64
+
+
+def shown(text: str) -> str:
+    """``repr(text)``, cut to ``SHOWN_CHARS`` characters: what messages and logs show of client strings."""
+    if len(text) <= SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
+def check_worker_id(worker_id: str, config: ShardConfig) -> None:
+    """A worker id is 1 to ``config.max_id_chars`` printable characters."""
+    if not worker_id:
+        raise InvalidArgument("worker_id must be a non-empty string")
+    if len(worker_id) > config.max_id_chars:
+        raise InvalidArgument(
+            f"worker_id {shown(worker_id)} is longer than the {config.max_id_chars} characters this shard accepts"
+        )
+    if not worker_id.isprintable():
+        raise InvalidArgument(f"worker_id {shown(worker_id)} holds non-printable characters")
+
+
+def check_session(session: str) -> None:
+    """A session is 1 to ``MAX_SESSION_CHARS`` printable characters."""
+    if not session or len(session) > MAX_SESSION_CHARS or not session.isprintable():
+        raise InvalidArgument(
+            f"session must be 1 to {MAX_SESSION_CHARS} printable characters (the worker library makes one per process)"
+        )
+
+
+def check_dtype(code: int, what: str) -> None:
+    """``code`` is a wire dtype shardps sends (0 means float32)."""
+    if code and code not in TORCH_DTYPES:
+        raise InvalidArgument(f"{what} {code} is not a wire dtype; use FLOAT32, BFLOAT16 or FLOAT16")
+
+
+def check_round_header(header: pb.RoundHeader, config: ShardConfig) -> None:
+    """Every field of a round header, before any frame of the stream is read.
+
+    Learning rates must be finite and >= 0 (the count is checked against the
+    job's param groups by the store).
+    """
+    check_worker_id(header.worker_id, config)
+    check_session(header.session)
+    check_dtype(header.pull_dtype, "pull_dtype")
+    for g, lr in enumerate(header.lrs):
+        if not (math.isfinite(lr) and lr >= 0):
+            raise InvalidArgument(f"learning rate of param group {g} is {lr}; it must be a finite number >= 0")
+
+
+def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> int:
+    """Check a first joiner's plan against this shard's limits before it is built.
+
+    Args:
+        spec: the plan as sent.
+        num_groups: param groups of the optimizer spec.
+
+    Returns:
+        An upper bound on the fp32 elements this shard would hold.
+
+    Raises:
+        FailedPrecondition: ``num_shards`` is not this shard's.
+        InvalidArgument: a limit or a rule of the plan is broken.
+    """
+    if spec.num_shards != config.num_shards:
+        raise FailedPrecondition(
+            f"the worker's plan has {spec.num_shards} shard(s) but this is shard {config.shard_index} "
+            f"of {config.num_shards}: pass the addresses of all {config.num_shards} shards, in shard order"
+        )
+    if spec.chunk_bytes > config.max_chunk_bytes:
+        raise InvalidArgument(
+            f"chunk_bytes {spec.chunk_bytes} exceeds the {config.max_chunk_bytes} this shard accepts; "
+            "use smaller chunks or start the shard with a larger --max-message-bytes"
+        )
+    if spec.chunk_bytes < MIN_CHUNK_BYTES or spec.chunk_bytes % MASTER_ITEMSIZE:
+        raise InvalidArgument(
+            f"chunk_bytes must be a multiple of {MASTER_ITEMSIZE} and >= {MIN_CHUNK_BYTES}, got {spec.chunk_bytes}"
+        )
+    if not 1 <= num_groups <= config.max_groups:
+        raise InvalidArgument(f"the optimizer has {num_groups} param groups; this shard accepts 1 to {config.max_groups}")
+    if not 1 <= len(spec.keys) <= config.max_keys:
+        raise InvalidArgument(f"the plan has {len(spec.keys)} keys; this shard accepts 1 to {config.max_keys}")
+    per_chunk = spec.chunk_bytes // MASTER_ITEMSIZE
+    total = chunks = 0
+    for k in spec.keys:
+        if not k.key or len(k.key) > MAX_KEY_CHARS:
+            raise InvalidArgument(f"key {shown(k.key)} must have 1 to {MAX_KEY_CHARS} characters")
+        if len(k.shape) > config.max_dims:
+            raise InvalidArgument(f"key {shown(k.key)} has {len(k.shape)} dimensions (at most {config.max_dims})")
+        if k.group >= num_groups:
+            raise InvalidArgument(
+                f"key {shown(k.key)} is in param group {k.group} but the optimizer has {num_groups} group(s)"
+            )
+        numel = math.prod(k.shape)
+        total += numel
+        chunks += -(-numel // per_chunk)
+        if chunks > config.max_chunks:
+            raise InvalidArgument(
+                f"the plan would cut the model into more than {config.max_chunks} chunks; "
+                "use a larger chunk_bytes (or raise the shard's --max-chunks)"
+            )
+    return -(-total // config.num_shards) + per_chunk
+
+
+def check_memory(elements: int, state_buffers: int, members: int, config: ShardConfig) -> None:
+    """Refuse a Join that could make the shard hold more than its memory budget.
+
+    The bound: ``4 x elements x (1 + state_buffers + members)`` bytes (fp32
+    parameters, one buffer per optimizer-state tensor, and at most one staged
+    gradient per member of the open round).
+
+    Raises:
+        ResourceExhausted: the bound exceeds ``config.memory_budget_bytes``.
+    """
+    need = MASTER_ITEMSIZE * elements * (1 + state_buffers + members)
+    if need > config.memory_budget_bytes:
+        per = MASTER_ITEMSIZE * elements
+        raise ResourceExhausted(
+            f"with {members} member(s) this shard could need {need} bytes ({per} bytes of parameters, "
+            f"{state_buffers} optimizer-state buffer(s) and one staged gradient per member) but its memory "
+            f"budget is {config.memory_budget_bytes} bytes: use more shards, fewer workers, or a larger "
+            "--memory-budget-bytes"
+        )

@@ -1,0 +1,128 @@
+"""Who may push and pull: the shard's members and the rule that tells one process from another.
+
+A member is a ``worker_id`` held by one **session**: a random token each
+worker process makes once (one per ``DistributedOptimizer``) and sends with
+every call. The rule:
+
+- a Join for an id that is not a member admits it (up to ``max_workers``);
+- a Join for a member's id with the **same** session is that member retrying
+  (after a lost reply, say): accepted, nothing changes;
+- a Join for a member's id with **another** session is a second process
+  using the same id: refused with ALREADY_EXISTS, never merged. The live
+  member keeps its place until it leaves;
+- every later call (Init, Push, Pull, PushPull, Leave) must carry the
+  member's session: another session's call is refused and changes nothing,
+  so one process can neither drop another's gradients nor make it leave.
+
+After a member leaves, its id is free: the same ``worker_id`` joining again
+is the same logical worker coming back (its place in the averaging order
+is its id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardps.server.checks import shown
+from shardps.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted, ShardError
+
+
+@dataclass(eq=False)
+class Member:
+    """One joined worker.
+
+    Attributes:
+        staging: this worker's gradients of the open round once its push is
+            accepted (``{group: 1-D float32}``), else None.
+        pushing: a push stream of this member is being received.
+        last_round: the last round whose push was accepted (-1: none pending).
+        failed: ``(round, error)`` when the round it pushed was refused; its
+            waiting calls raise ``error`` until it pushes again.
+    """
+
+    worker_id: str
+    session: str
+    staging: dict[int, torch.Tensor] | None = None
+    pushing: bool = False
+    last_round: int = -1
+    failed: tuple[int, ShardError] | None = None
+
+
+class Membership:
+    """The members of one shard, keyed by worker id; at most ``max_workers``."""
+
+    def __init__(self, max_workers: int) -> None:
+        self.max_workers = max_workers
+        self._members: dict[str, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._members
+
+    def ids(self) -> list[str]:
+        """Member ids in sorted order (the averaging order)."""
+        return sorted(self._members)
+
+    def admit(self, worker_id: str, session: str) -> tuple[Member, bool]:
+        """Admit ``worker_id`` with ``session``; returns ``(member, is_new)``.
+
+        Raises:
+            AlreadyExists: the id is a live member of another session.
+            ResourceExhausted: ``max_workers`` members already.
+        """
+        member = self._members.get(worker_id)
+        if member is not None:
+            if member.session != session:
+                raise AlreadyExists(
+                    f"worker_id {shown(worker_id)} is already a live member of this shard from another process "
+                    "(another session): give every worker process its own worker_id, or wait until the "
+                    "other one leaves"
+                )
+            return member, False
+        if len(self._members) >= self.max_workers:
+            raise ResourceExhausted(
+                f"this shard has {len(self._members)} members, its --max-workers limit; "
+                "a worker must leave first, or start the shards with a larger --max-workers"
+            )
+        member = Member(worker_id, session)
+        self._members[worker_id] = member
+        return member, True
+
+    def get(self, worker_id: str, session: str) -> Member:
+        """The member ``worker_id`` if ``session`` is its session.
+
+        Raises:
+            FailedPrecondition: not a member, or a member of another session.
+        """
+        member = self._members.get(worker_id)
+        if member is None:
+            raise FailedPrecondition(f"worker {shown(worker_id)} is not a member of this shard: call Join first")
+        if member.session != session:
+            raise FailedPrecondition(
+                f"worker {shown(worker_id)} is a member of this shard from another process (another session); "
+                "this call was refused and changed nothing"
+            )
+        return member
+
+    def find(self, worker_id: str) -> Member | None:
+        """The member ``worker_id`` whatever its session (for the store's own bookkeeping)."""
+        return self._members.get(worker_id)
+
+    def remove(self, worker_id: str, session: str) -> Member | None:
+        """Remove ``worker_id`` if ``session`` is its session; None if it is not a member.
+
+        Raises:
+            FailedPrecondition: ``worker_id`` is a member of another session (it stays).
+        """
+        member = self._members.get(worker_id)
+        if member is None:
+            return None
+        self.get(worker_id, session)
+        return self._members.pop(worker_id)
+
+    def members(self) -> list[Member]:
+        return list(self._members.values())

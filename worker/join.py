@@ -1,0 +1,117 @@
+"""Joining a job: every shard, in the order that keeps the job's parameters from one worker.
+
+The worker joins shard 0 first; shard 0 names the job and the worker that
+initialises it. The worker then joins every other shard showing shard 0's
+view of the job, so all shards follow one initialiser and a shard whose
+state contradicts shard 0's (it restarted empty, it serves another job)
+refuses loudly. Only then does the named initialiser send Init to every
+shard that told it to; everybody pulls version 0 or later from every
+shard. If the initialiser disappears before initialising (the shards say
+so with ABORTED), the worker joins again and the next worker initialises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import grpc
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.worker.client import ShardClient, ShardRpcError
+
+log = logging.getLogger(__name__)
+
+#: Joins tried when the named initialiser disappears before initialising.
+JOIN_ATTEMPTS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinPlan:
+    """What a worker sends to join: its identity (worker id and session), the plan and the optimizer."""
+
+    worker_id: str
+    session: str
+    plan: pb.PlanSpec
+    fingerprint: str
+    optimizer: pb.OptimizerSpec
+
+
+def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
+    """Refuse a job whose shards disagree: one to initialise while another holds trained state.
+
+    Raises:
+        RuntimeError: the shards are inconsistent (the message says which and the fix).
+    """
+    ids = {r.job.job_id for r in replies}
+    if len(ids) > 1:
+        raise RuntimeError(f"the shards serve different jobs {sorted(ids)}: restart every shard to begin a new job")
+    fresh = [i for i, r in enumerate(replies) if r.initialise]
+    trained = [(i, r.version) for i, r in enumerate(replies) if r.job.initialised or r.version > 0]
+    if fresh and trained:
+        i, version = trained[0]
+        raise RuntimeError(
+            f"shard(s) {fresh} hold no parameters but shard {i} of the same job is initialised at version {version}: "
+            "refusing to initialise part of a trained job (a shard lost its state, e.g. it restarted); restore the "
+            "shards from a checkpoint, or restart every shard to begin a new job"
+        )
+
+
+def join_job(
+    clients: Sequence[ShardClient],
+    pool: ThreadPoolExecutor,
+    join: JoinPlan,
+    init_frames: Callable[[int], object],
+    pull: Callable[[int, list], int],
+) -> list[int]:
+    """Join every shard, initialise those that name this worker, and pull version 0 or later from each.
+
+    Args:
+        clients: one per shard, in shard order.
+        pool: threads for the per-shard calls (at least one per shard).
+        join: the Join request's contents.
+        init_frames: ``init_frames(shard)`` -> the encoded Init stream for that shard.
+        pull: ``pull(shard, calls)`` pulls from that shard, appending its gRPC call
+            to ``calls`` (so a failing shard can cancel the others), and returns the version.
+
+    Returns:
+        The version received from each shard.
+
+    Raises:
+        ShardRpcError: a shard refused (its status and message say why).
+        RuntimeError: the shards are inconsistent.
+    """
+
+    def request(view: pb.JobView | None) -> pb.JoinRequest:
+        return pb.JoinRequest(
+            worker_id=join.worker_id, session=join.session, plan=join.plan, plan_fingerprint=join.fingerprint,
+            optimizer=join.optimizer, job=view,
+        )
+
+    for attempt in range(JOIN_ATTEMPTS):
+        first = clients[0].join(request(None))
+        replies = [first, *pool.map(lambda c: c.join(request(first.job)), clients[1:])]
+        _check_replies(replies)
+        told = [i for i, r in enumerate(replies) if r.initialise]
+        if told:
+            log.info("worker %s initialises shard(s) %s of job %s", join.worker_id, told, first.job.job_id)
+            list(pool.map(lambda i: clients[i].init(init_frames(i)), told))
+        calls: list = []
+        futures = [pool.submit(pull, i, calls) for i in range(len(clients))]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # blocking wait for every shard's pull
+        if any(f.exception() is not None for f in done):
+            for call in list(calls):
+                call.cancel()
+            wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if not errors:
+            return [f.result() for f in futures]
+        # the cause, not a pull this function cancelled because of it
+        error = next((e for e in errors if getattr(e, "code", None) != grpc.StatusCode.CANCELLED), errors[0])
+        initialiser_gone = isinstance(error, ShardRpcError) and error.code == grpc.StatusCode.ABORTED
+        if not initialiser_gone or attempt == JOIN_ATTEMPTS - 1:
+            raise error
+        log.warning("worker %s: %s; joining again", join.worker_id, error.details)
+    raise AssertionError("unreachable")
