@@ -173,6 +173,8 @@ class ShardOptimizer:
             param, grad = self.params[g], grads[g]
             trial, scratch = self._trial_optimizer(local)
             group = trial.param_groups[0]
+            live = self.optimizer.param_groups[local]
+            group.update({k: v for k, v in live.items() if k not in ("params", "fused", "foreach")})
             group["lr"] = lrs[g]
             state = self.optimizer.state.get(param, {})
             full = _full_state(state, param.numel())

@@ -177,3 +177,45 @@ def test_optimizer_settings_are_tried_at_join(start_cluster, hyperparams: str, m
     assert stats.plan_fingerprint == "" and list(stats.members) == []  # no job was fixed
     good = pb.OptimizerSpec(class_name="Adam", group_hyperparams_json=['{"lr": 0.1}'])
     assert RawWorker(client, "a", plan, good).join().initialise
+
+
+class TwoKeys(nn.Module):
+    """``a`` and ``b`` land on different shards (one chunk each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(8))
+        self.b = nn.Parameter(torch.ones(8))
+
+
+def test_worker_raises_on_refused_rounds_and_on_diverged_shards(start_cluster) -> None:
+    """What DistributedOptimizer does with refused rounds: a round every shard refused can be pushed again;
+    a round that one shard refused and another applied makes every later step raise."""
+    from shardps.worker.optimizer import DistributedOptimizer
+
+    cluster = start_cluster(2)
+    m = TwoKeys()
+    opt = torch.optim.SGD(m.parameters(), lr=1e38)
+    with DistributedOptimizer(opt, m.named_parameters(), servers=cluster.addresses, chunk_bytes=64) as dist:
+        assert {c.key: c.shard for c in dist.plan.chunks} == {"a": 0, "b": 1}
+        dist.zero_grad()
+        (-(m.a.sum() + m.b.sum()) * 1e30).backward()  # both shards' updates overflow
+        with pytest.raises(ShardRpcError, match="round 0 was refused"):
+            dist.step()
+        assert dist.versions == [0, 0] and torch.equal(m.a.detach(), torch.ones(8))
+        opt.param_groups[0]["lr"] = 0.1  # the caller skips the bad batch and carries on
+        dist.zero_grad()
+        (-(m.a.sum() + m.b.sum())).backward()
+        dist.step()
+        assert dist.versions == [1, 1] and torch.allclose(m.a.detach(), torch.full((8,), 1.1))
+
+        opt.param_groups[0]["lr"] = 1e38
+        dist.zero_grad()
+        (-m.b.sum() * 1e30).backward()  # only b (shard 1) overflows; a's gradient is zero
+        with pytest.raises(ShardRpcError, match="round 1 was refused"):
+            dist.step()
+        assert dist.versions == [2, 1]
+        dist.zero_grad()
+        with pytest.raises(RuntimeError, match=r"shard\(s\) \[0\] applied round 1 but shard 1 failed it"):
+            (-m.b.sum()).backward()
+            dist.step()
