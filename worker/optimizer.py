@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -320,25 +320,23 @@ class DistributedOptimizer:
     def _finish_pull(self) -> None:
         """Wait for the pending pulls (if any) and record the versions received.
 
-        If some shards applied the round and others failed it, the model's
-        partitions are now at different versions: every later step raises
-        (sync training cannot go on from a half-applied round).
+        Every shard's outcome is awaited (each is bounded by the call's
+        deadline), not only the first failure: if some shards applied the
+        round and others failed it, the model's partitions are now at
+        different versions and every later step raises (sync training cannot
+        go on from a half-applied round).
         """
         rnd = self._pulling
         if rnd is None:
             return
         self._pulling = None
-        wait(rnd.futures, return_when=FIRST_EXCEPTION)  # blocking wait for every shard, or the first failure
-        failed = [s for s, f in enumerate(rnd.futures) if f.done() and f.exception() is not None]
-        if not failed:
-            self.versions = [f.result() for f in rnd.futures]
-            return
-        for call in rnd.calls:
-            call.cancel()
-        wait(rnd.futures)
+        wait(rnd.futures)  # blocking wait for every shard
+        failed = [s for s, f in enumerate(rnd.futures) if f.exception() is not None]
         applied = [s for s, f in enumerate(rnd.futures) if f.exception() is None]
         for s in applied:
             self.versions[s] = rnd.futures[s].result()
+        if not failed:
+            return
         error = rnd.futures[failed[0]].exception()
         if applied:
             self._diverged = (
