@@ -105,6 +105,9 @@ def _check_value(value: object, where: str) -> object:
             raise OptimizerSpecError(f"{where} is the string {value[:40]!r}; hyperparameters are numbers or booleans")
         return value
     if isinstance(value, (int, float)):
+        if isinstance(value, int) and abs(value) > 2**53:  # beyond this an int is not a float's worth
+            raise OptimizerSpecError(f"{where} is an integer of {len(str(value))} digits; hyperparameters must be "
+                                     "numbers a float holds exactly")
         if not math.isfinite(value):
             raise OptimizerSpecError(f"{where} is {value}; hyperparameters must be finite")
         return value

@@ -104,6 +104,7 @@ class PartitionPlan:
             seen.add(k.key)
 
         per_chunk = chunk_bytes // MASTER_ITEMSIZE
+        fingerprint = cls._fingerprint(keys, num_shards, chunk_bytes)
         load = [0] * num_shards
         fill: dict[tuple[int, int], int] = {}
         chunks: list[Chunk] = []
@@ -115,14 +116,23 @@ class PartitionPlan:
                 shard_offset = fill.get((shard, k.group), 0)
                 fill[(shard, k.group)] = shard_offset + numel
                 chunks.append(Chunk(len(chunks), k.key, k.group, offset, numel, shard, shard_offset))
+        return cls(
+            keys=keys, num_shards=num_shards, chunk_bytes=chunk_bytes, chunks=tuple(chunks), fingerprint=fingerprint
+        )
+
+    @staticmethod
+    def _fingerprint(keys: tuple[KeyInfo, ...], num_shards: int, chunk_bytes: int) -> str:
         canon = json.dumps(
             [PLAN_FORMAT, num_shards, chunk_bytes, [[k.key, list(k.shape), k.group] for k in keys]],
             separators=(",", ":"),
         )
-        fingerprint = hashlib.sha256(canon.encode()).hexdigest()[:16]
-        return cls(
-            keys=keys, num_shards=num_shards, chunk_bytes=chunk_bytes, chunks=tuple(chunks), fingerprint=fingerprint
-        )
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @classmethod
+    def fingerprint_of_proto(cls, spec: pb.PlanSpec) -> str:
+        """The fingerprint the plan of ``spec`` would have, in O(keys): without building its chunks."""
+        keys = tuple(KeyInfo(k.key, tuple(int(d) for d in k.shape), int(k.group)) for k in spec.keys)
+        return cls._fingerprint(keys, spec.num_shards, spec.chunk_bytes)
 
     @classmethod
     def from_proto(cls, spec: pb.PlanSpec) -> "PartitionPlan":

@@ -16,6 +16,7 @@ from shardps.proto.codec import TORCH_DTYPES
 from shardps.proto.plan import MASTER_ITEMSIZE, MIN_CHUNK_BYTES
 from shardps.server.config import ShardConfig
 from shardps.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shardps.server.optimizer import SEGMENT
 
 #: Longest session token (DistributedOptimizer sends 32 hex characters).
 MAX_SESSION_CHARS = 64
@@ -131,17 +132,20 @@ def check_memory(elements: int, state_buffers: int, members: int, config: ShardC
 
     The bound: ``4 x elements x (1 + state_buffers + members)`` bytes (fp32
     parameters, one buffer per optimizer-state tensor, and at most one staged
-    gradient per member of the open round).
+    gradient per member, which also covers the one Init stream received before
+    any state exists) plus the dry run's fixed scratch,
+    ``4 x SEGMENT x (1 + state_buffers)`` bytes.
 
     Raises:
         ResourceExhausted: the bound exceeds ``config.memory_budget_bytes``.
     """
-    need = MASTER_ITEMSIZE * elements * (1 + state_buffers + members)
+    need = MASTER_ITEMSIZE * (elements * (1 + state_buffers + members) + SEGMENT * (1 + state_buffers))
     if need > config.memory_budget_bytes:
         per = MASTER_ITEMSIZE * elements
         raise ResourceExhausted(
             f"with {members} member(s) this shard could need {need} bytes ({per} bytes of parameters, "
-            f"{state_buffers} optimizer-state buffer(s) and one staged gradient per member) but its memory "
+            f"{state_buffers} optimizer-state buffer(s), one staged gradient per member and "
+            f"{MASTER_ITEMSIZE * SEGMENT * (1 + state_buffers)} bytes of dry-run scratch) but its memory "
             f"budget is {config.memory_budget_bytes} bytes: use more shards, fewer workers, or a larger "
             "--memory-budget-bytes"
         )

@@ -55,8 +55,9 @@ class ShardConfig:
             ``shard bytes x (1 + optimizer state buffers + members after the
             join)`` would exceed it; that product bounds the shard's memory.
         init_timeout_seconds: how long the worker told to initialise has to
-            complete Init; after it, the next Join takes the role over and
-            waiting pulls are told to join again.
+            start its Init (the clock stops while the stream is received);
+            after it, the next Join takes the role over and waiting pulls are
+            told to join again.
     """
 
     shard_index: int
@@ -73,7 +74,7 @@ class ShardConfig:
     max_id_chars: int = 256
     max_keys: int = 1 << 17
     max_groups: int = 4096
-    max_chunks: int = 1 << 20
+    max_chunks: int = 1 << 18
     max_dims: int = 32
     memory_budget_bytes: int = field(default_factory=default_memory_budget_bytes)
     init_timeout_seconds: float = 60.0

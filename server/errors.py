@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
+
 
 class ShardError(Exception):
     """Base class: ``code`` is the name of the gRPC status code the service answers with."""
@@ -49,3 +52,19 @@ class ResourceExhausted(ShardError):
     """A limit of the shard is reached (members, waiting calls, memory budget)."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+# A call the store ends from outside (a member left while its push or Init streamed):
+# the task is cancelled and the service answers with the error recorded here.
+_stopped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stop_call(task: asyncio.Task, error: ShardError) -> None:
+    """End the call running in ``task`` with ``error`` as its status (not a silent cancellation)."""
+    _stopped[task] = error
+    task.cancel()
+
+
+def stopped_with(task: asyncio.Task | None) -> ShardError | None:
+    """The error :func:`stop_call` ended ``task`` with, or None if it was cancelled otherwise."""
+    return _stopped.pop(task, None) if task is not None else None

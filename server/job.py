@@ -47,6 +47,8 @@ class Job:
         initialiser: worker id told to send Init, or None while the role is free.
         initialiser_lost: the named initialiser left or timed out before initialising.
         initialised: Init completed; ``initialised_by`` names who sent it.
+        init_streaming: the task receiving the initialiser's Init stream, if one is (the
+            timer waits; the initialiser leaving cancels it).
         expiry: timer that frees the initialiser role after ``init_timeout_seconds``.
     """
 
@@ -61,6 +63,7 @@ class Job:
     initialiser_lost: bool = False
     initialised: bool = False
     initialised_by: str = ""
+    init_streaming: asyncio.Task | None = None
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
@@ -104,14 +107,16 @@ class Job:
         return self.initialiser == worker_id
 
     # ------------------------------------------------------- shards 1..N-1
-    def follow(self, view: pb.JobView, shard_index: int) -> bool:
-        """Shard i > 0: check shard 0's ``view`` against this shard and adopt its initialiser.
+    def check_view(self, view: pb.JobView, shard_index: int, version: int) -> None:
+        """Shard i > 0: refuse shard 0's ``view`` if it contradicts this shard. Changes nothing.
 
-        Returns:
-            True if the initialiser changed (the caller restarts its timer).
+        Args:
+            version: this shard's version.
 
         Raises:
-            FailedPrecondition: the view contradicts this shard (the message says how, and the fix).
+            FailedPrecondition: another job, another initialiser, versions more than
+                one round apart, or an initialisation that stopped half-way (the
+                message says which, and the fix).
         """
         if view.job_id != self.job_id:
             raise FailedPrecondition(
@@ -125,16 +130,27 @@ class Job:
                     f"{shown(view.initialiser)} as the job's initialiser: the shards hold parameters from different "
                     f"workers; {_RESET_FIX}"
                 )
-            return False
-        if view.initialised and self.initialiser_lost:
+            if view.initialised and abs(view.version - version) > 1:
+                raise FailedPrecondition(
+                    f"shard {shard_index} is at version {version} but shard 0 at {view.version}: in sync training "
+                    f"shards are at most one round apart, so one of them lost or replaced its state; {_RESET_FIX}"
+                )
+        elif view.initialised and self.initialiser_lost:
             raise FailedPrecondition(
                 f"shard 0 is initialised but shard {shard_index} never was (its initialiser left or timed out "
                 f"half-way): the job's parameters are incomplete; {_RESET_FIX}"
             )
-        if view.initialiser != self.initialiser:
-            self.initialiser, self.initialiser_lost = view.initialiser or None, False
-            return True
-        return False
+
+    def adopt_initialiser(self, view: pb.JobView) -> bool:
+        """Shard i > 0, after :meth:`check_view` and admission: follow shard 0's initialiser.
+
+        Returns:
+            True if the initialiser changed (the caller restarts its timer).
+        """
+        if self.initialised or view.initialiser == (self.initialiser or ""):
+            return False
+        self.initialiser, self.initialiser_lost = view.initialiser or None, False
+        return True
 
     # ----------------------------------------------------------- both
     def lose_initialiser(self, worker_id: str) -> bool:

@@ -21,6 +21,7 @@ is its id).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class Member:
     Attributes:
         staging: this worker's gradients of the open round once its push is
             accepted (``{group: 1-D float32}``), else None.
-        pushing: a push stream of this member is being received.
+        pushing: the task receiving this member's push stream, if one is (a Leave cancels it).
         last_round: the last round whose push was accepted (-1: none pending).
         failed: ``(round, error)`` when the round it pushed was refused; its
             waiting calls raise ``error`` until it pushes again.
@@ -45,7 +46,7 @@ class Member:
     worker_id: str
     session: str
     staging: dict[int, torch.Tensor] | None = None
-    pushing: bool = False
+    pushing: asyncio.Task | None = None
     last_round: int = -1
     failed: tuple[int, ShardError] | None = None
 

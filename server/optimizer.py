@@ -92,7 +92,11 @@ class ShardOptimizer:
         self.groups = sorted(params)
         self.params = params
         self.optimizer = build_optimizer(spec, [(g, params[g]) for g in self.groups])
-        self._trials: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
+        self._trials: dict[int, torch.optim.Optimizer] = {}
+        # one scratch parameter and one scratch buffer per state name, shared by every group's dry run:
+        # (1 + state buffers) x SEGMENT x 4 bytes whatever the number of groups
+        self._scratch = torch.empty(SEGMENT)
+        self._state_scratch: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def trial(spec: pb.OptimizerSpec) -> int:
@@ -127,7 +131,7 @@ class ShardOptimizer:
             buffers = max(buffers, len(state))
         return buffers
 
-    def apply(self, grads: Sequence[dict[int, torch.Tensor]], lrs: Sequence[float], *, check: bool = True) -> None:
+    def apply(self, grads: Sequence[dict[int, torch.Tensor]], lrs: Sequence[float], check: bool = True) -> None:
         """Average ``grads`` (worker-id order) and step, or refuse and change nothing.
 
         Args:
@@ -158,27 +162,26 @@ class ShardOptimizer:
             for g in self.groups:
                 self.params[g].grad = None
 
-    def _trial_optimizer(self, local: int) -> tuple[torch.optim.Optimizer, torch.Tensor]:
-        """The scratch optimizer and scratch parameter the dry run steps for group ``local`` (made once)."""
+    def _trial_optimizer(self, local: int) -> torch.optim.Optimizer:
+        """The scratch optimizer the dry run steps for group ``local`` (made once, over the shared scratch)."""
         trial = self._trials.get(local)
         if trial is None:
-            scratch = torch.empty(SEGMENT)
             hyper = {k: v for k, v in self.optimizer.param_groups[local].items() if k not in ("params", "fused", "foreach")}
             impl = {"fused": True} if self.optimizer.defaults.get("fused") else {"foreach": True}
-            trial = self._trials[local] = (type(self.optimizer)([{"params": [scratch], **hyper}], **impl), scratch)
+            trial = self._trials[local] = type(self.optimizer)([{"params": [self._scratch], **hyper}], **impl)
         return trial
 
     def _dry_run(self, grads: dict[int, torch.Tensor], lrs: Sequence[float], check_grads: bool) -> None:
         for local, g in enumerate(self.groups):
             param, grad = self.params[g], grads[g]
-            trial, scratch = self._trial_optimizer(local)
+            trial, scratch = self._trial_optimizer(local), self._scratch
             group = trial.param_groups[0]
             live = self.optimizer.param_groups[local]
             group.update({k: v for k, v in live.items() if k not in ("params", "fused", "foreach")})
             group["lr"] = lrs[g]
             state = self.optimizer.state.get(param, {})
             full = _full_state(state, param.numel())
-            buffers = {k: torch.empty(SEGMENT) for k in full}
+            buffers = {k: self._state_scratch.setdefault(k, torch.empty(SEGMENT)) for k in full}
             for start in range(0, param.numel(), SEGMENT):
                 end = min(param.numel(), start + SEGMENT)
                 n = end - start

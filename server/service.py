@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -28,7 +29,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import FrameError, decode_frame
 from shardps.proto.transport import channel_options
 from shardps.server.config import ShardConfig
-from shardps.server.errors import InvalidArgument, ShardError
+from shardps.server.errors import InvalidArgument, ShardError, stopped_with
 from shardps.server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,16 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
                                                   "see the shard's log")
 
 
+async def _stopped(context: grpc.aio.ServicerContext, method: str) -> None:
+    """A cancelled handler: answer with the store's error if the store ended the call, else stay cancelled."""
+    task = asyncio.current_task()
+    error = stopped_with(task)
+    if error is None:
+        raise asyncio.CancelledError  # the client cancelled, or the server is stopping
+    task.uncancel()
+    await _abort(context, method, error)
+
+
 def _unary(method):
     """Map a unary-response handler's errors to statuses (see the module docstring)."""
 
@@ -72,7 +83,9 @@ def _unary(method):
     async def handler(self, request, context):
         try:
             return await method(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            await _stopped(context, method.__name__)
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:
             await _abort(context, method.__name__, exc)
@@ -88,7 +101,9 @@ def _streaming(method):
         try:
             async for item in method(self, request, context):
                 yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            await _stopped(context, method.__name__)
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:
             await _abort(context, method.__name__, exc)
@@ -164,12 +179,26 @@ def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
+def _addresses(host: str) -> list[str]:
+    """The IP addresses ``host`` names, in resolver order, without repeats.
+
+    Raises:
+        RuntimeError: the name does not resolve.
+    """
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"could not resolve --host {host!r}: {exc}") from None
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
 async def create_server(
     config: ShardConfig, store: ShardStore, health_servicer: health.aio.HealthServicer
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) the gRPC server for one shard and bind it; call from the event loop.
 
-    ``SO_REUSEPORT`` is off, so a port another process listens on is an
+    ``SO_REUSEPORT`` is off and every address the host name resolves to is
+    bound on the same port, so a port another process listens on is an
     error here instead of two shards silently sharing it.
 
     Returns:
@@ -181,13 +210,16 @@ async def create_server(
     server = grpc.aio.server(options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((generic_handler(ShardServicer(store)),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"could not bind {address} (is another process listening there?): {exc}") from None
-    if port == 0:
-        raise RuntimeError(f"could not bind {address} (is another process listening there?)")
+    port = config.port
+    for ip in _addresses(config.host):  # every address the host name resolves to, or none at all
+        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"could not bind {address} (is another process listening there?): {exc}") from None
+        if bound == 0 or (port and bound != port):
+            raise RuntimeError(f"could not bind {address} (is another process listening there?)")
+        port = bound
     for name in ("", SERVICE.full_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port

@@ -57,6 +57,13 @@ def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
             "refusing to initialise part of a trained job (a shard lost its state, e.g. it restarted); restore the "
             "shards from a checkpoint, or restart every shard to begin a new job"
         )
+    versions = [r.version for r in replies]
+    if max(versions) - min(versions) > 1:
+        raise RuntimeError(
+            f"the shards are at versions {versions}: in sync training shards are at most one round apart, so a "
+            "shard lost or replaced its state; restore the shards from a checkpoint, or restart every shard to "
+            "begin a new job"
+        )
 
 
 def join_job(

@@ -2,15 +2,19 @@
 
 Two workers train a small model on two real shard processes, one step at a
 time, while hypothesis sends random and mutated requests to every RPC of
-shard 0: raw bytes, valid requests with flipped, cut or inserted bytes,
+both shards: raw bytes, valid requests with flipped, cut or inserted bytes,
 and well-formed requests with arbitrary fields and unknown or foreign
-(other members') worker ids. The job's steps are released as the fuzzing
-goes, so every step runs among fuzzed calls. Checks: no reply is UNKNOWN,
-INTERNAL or a deadline (a hang), the shard never crashes or logs a
-traceback, and the job's final parameters equal, bit for bit, those of the
-same job run without fuzzing.
+(other members') worker ids. A third member, ``zz-fuzz``, is joined in both
+runs and pushes zero gradients every round; in the fuzzed run its own
+session also sends mutated pushes of the open round, so the shard's frame
+decoding is fuzzed on a live member's stream (each such push ends in a
+frame that makes it invalid, so none is ever accepted). The job's steps are
+released as the fuzzing goes, so every step runs among fuzzed calls.
+Checks: no reply is UNKNOWN, INTERNAL or a deadline (a hang), no shard
+crashes or logs a traceback, and the job's final parameters equal, bit for
+bit, those of the same job run without fuzzing.
 
-The shards run with ``--max-workers 2`` (the job's size): a fuzzed Join
+The shards run with ``--max-workers 3`` (the job's size): a fuzzed Join
 that happens to be valid is then refused instead of joining the job, as an
 operator closes a job's membership. Size: ``SHARDPS_FUZZ_EXAMPLES``
 requests per RPC (default 5,000, so 35,000 in all). Hypothesis draws each
@@ -33,19 +37,53 @@ from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import encode_chunk, encode_round
+from shardps.proto.plan import PartitionPlan
 from shardps.worker.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.raw import SERVING, health_status, plan_and_spec
+from tests.raw import SERVING, RawWorker, health_status, plan_and_spec
 from tests.worker_proc import BATCH, data, model
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 5000))
 STEPS = 30
 METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "Leave", "Stats")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+KINDS = ("raw", "mutated", "fields", "seed", "member")
+IDS = ("w0", "w1", "zz-fuzz", "fuzz", "", "w0 ", "x" * 300, "\u00e9t\u00e9", "tab\t")
+PER_EXAMPLE = 4  # requests per hypothesis example
+
+
+def plan_and_optimizer():
+    m = model()
+    return plan_and_spec(m, torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05), num_shards=2)
+
+
+class FuzzMember:
+    """``zz-fuzz``: a member of every shard in both runs that pushes zero gradients each round."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        plan, spec = plan_and_optimizer()
+        self.clients = [ShardClient(a, index=i, rpc_timeout=60.0) for i, a in enumerate(addresses)]
+        session = uuid.uuid4().hex
+        self.raw = [RawWorker(c, "zz-fuzz", plan, spec, session=session) for c in self.clients]
+        view = self.raw[0].join().job
+        for w in self.raw[1:]:
+            w.join(job=view)
+        self.round = 0
+
+    def push_round(self) -> None:
+        """Push the next round (zeros) to every shard, once every shard has applied the previous one."""
+        for shard, w in enumerate(self.raw):
+            w.pull(self.round)  # waits for version `round`
+            w.push(shard, fill=0.0, round_=self.round, lrs=[0.01])
+        self.round += 1
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
 
 
 class Job:
-    """Two worker threads training step by step; a step runs only once ``release`` allows it."""
+    """Two worker threads training step by step and the fuzz member; a step runs once ``release`` allows it."""
 
     def __init__(self, servers: list[str], gated: bool) -> None:
         self.servers, self.gated = servers, gated
@@ -54,11 +92,14 @@ class Job:
         self.models = [model(), model()]
         self.joined = threading.Barrier(3)
         self.threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(2)]
+        self.fuzz_member: FuzzMember | None = None
 
     def release(self, steps: int) -> None:
         with self.cond:
-            self.allowed = min(STEPS, self.allowed + steps)
+            before, self.allowed = self.allowed, min(STEPS, self.allowed + steps)
             self.cond.notify_all()
+        for _ in range(self.allowed - before):
+            self.fuzz_member.push_round()
 
     def _worker(self, i: int) -> None:
         try:
@@ -84,38 +125,39 @@ class Job:
         for t in self.threads:
             t.start()
         self.joined.wait(60)  # both workers are members before anything else happens
+        self.fuzz_member = FuzzMember(self.servers)
+        if not self.gated:
+            for _ in range(STEPS):
+                self.fuzz_member.push_round()
 
     def finish(self) -> dict[str, torch.Tensor]:
         self.release(STEPS)
         for t in self.threads:
             t.join(180)
         assert not any(t.is_alive() for t in self.threads), "a worker hung"
+        self.fuzz_member.close()
         if self.errors:
             raise self.errors[0]
         return {k: v.detach().clone() for k, v in self.models[0].named_parameters()}
 
 
-def templates(plan_fingerprint: str, plan: pb.PlanSpec, spec: pb.OptimizerSpec) -> dict[str, list[bytes]]:
+def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[str, list[bytes]]:
     """One valid-looking request per RPC (with a session nobody holds), as the fuzzer's seeds."""
     session = uuid.uuid4().hex
-    header = pb.RoundHeader(worker_id="w0", session=session, round=3, lrs=[0.01], plan_fingerprint=plan_fingerprint)
-    chunk = encode_chunk(plan.keys[0].key, 0, torch.ones(64), 3)
+    header = pb.RoundHeader(worker_id="w0", session=session, round=3, lrs=[0.01], plan_fingerprint=plan.fingerprint)
+    chunks = [encode_chunk(c.key, c.offset, torch.ones(c.numel), 3) for c in plan.shard_chunks(shard)]
+    view = pb.JobView(job_id="j", initialiser="w0", initialised=True, version=3) if shard else None
     return {
-        "Join": [pb.JoinRequest(worker_id="fuzz", session=session, plan=plan, plan_fingerprint=plan_fingerprint,
-                                optimizer=spec).SerializeToString()],
-        "Init": [encode_round(header), chunk],
-        "Push": [encode_round(header), chunk],
-        "PushPull": [encode_round(header), chunk],
-        "Pull": [pb.PullRequest(min_version=3, plan_fingerprint=plan_fingerprint, worker_id="w1",
+        "Join": [pb.JoinRequest(worker_id="fuzz", session=session, plan=plan.to_proto(),
+                                plan_fingerprint=plan.fingerprint, optimizer=spec, job=view).SerializeToString()],
+        "Init": [encode_round(header), *chunks],
+        "Push": [encode_round(header), *chunks],
+        "PushPull": [encode_round(header), *chunks],
+        "Pull": [pb.PullRequest(min_version=3, plan_fingerprint=plan.fingerprint, worker_id="w1",
                                 session=session).SerializeToString()],
         "Leave": [pb.LeaveRequest(worker_id="w1", session=session).SerializeToString()],
         "Stats": [pb.StatsRequest(digest=True).SerializeToString()],
     }
-
-
-KINDS = ("raw", "mutated", "fields", "seed")
-IDS = ("w0", "w1", "fuzz", "", "w0 ", "x" * 300, "\u00e9t\u00e9", "tab\t")
-PER_EXAMPLE = 4  # requests per hypothesis example
 
 
 def mutate(data: bytes, rng) -> bytes:
@@ -138,10 +180,10 @@ def number(rng) -> float:
     return rng.choice((float("nan"), float("inf"), -float("inf"), -1e6, 0.0, 3e38, 1e-45, rng.uniform(-10, 10)))
 
 
-def fields(method: str, rng, plan: pb.PlanSpec, spec: pb.OptimizerSpec, fingerprint: str) -> list[bytes] | bytes:
+def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
     """A well-formed request of ``method`` with arbitrary fields: foreign and unknown ids, bad numbers, sizes."""
     worker, session = rng.choice(IDS), rng.choice(("", uuid.uuid4().hex, "s" * 100))
-    fprint = rng.choice((fingerprint, "", "0" * 16))
+    fprint = rng.choice((plan.fingerprint, "", "0" * 16))
     if method in ("Init", "Push", "PushPull"):
         header = encode_round(pb.RoundHeader(
             worker_id=worker, session=session, round=rng.choice((0, 1, 3, rng.randrange(2**64))),
@@ -158,10 +200,10 @@ def fields(method: str, rng, plan: pb.PlanSpec, spec: pb.OptimizerSpec, fingerpr
         bad_plan = pb.PlanSpec(keys=keys, num_shards=rng.randrange(2**32), chunk_bytes=rng.randrange(2**30))
         bad_spec = pb.OptimizerSpec(class_name=rng.choice(("Adam", "LBFGS", "")),
                                     group_hyperparams_json=[rng.choice(('{"lr": NaN}', "[", '{"eps": "x"}'))])
-        return pb.JoinRequest(worker_id=worker, session=session, plan=rng.choice((plan, bad_plan)),
+        return pb.JoinRequest(worker_id=worker, session=session, plan=rng.choice((plan.to_proto(), bad_plan)),
                               plan_fingerprint=fprint, optimizer=rng.choice((spec, bad_spec)),
-                              job=pb.JobView(job_id=rng.choice(("", "j")), initialiser=worker,
-                                             initialised=rng.random() < 0.5, version=rng.randrange(9))
+                              job=pb.JobView(job_id=rng.choice(("", "j")), initialiser=rng.choice(IDS),
+                                             initialised=rng.random() < 0.5, version=rng.randrange(40))
                               ).SerializeToString()
     if method == "Pull":
         return pb.PullRequest(min_version=rng.randrange(2**64), plan_fingerprint=fprint, dtype=rng.randrange(10),
@@ -171,12 +213,42 @@ def fields(method: str, rng, plan: pb.PlanSpec, spec: pb.OptimizerSpec, fingerpr
     return pb.StatsRequest(digest=rng.random() < 0.5).SerializeToString()
 
 
-def make_request(method: str, kind: str, rng, seeds, plan, spec, fingerprint):
+def member_request(method: str, rng, shard: int, fz: FuzzMember):
+    """A request in the fuzz member's own session (past the identity checks, into the shard's decoding).
+
+    Pushes are of the open round, their chunks mutated, and always end in a
+    second round header, which makes them invalid: none is ever accepted.
+    Pulls ask for a version the shard has. Never a Leave (it would change the job).
+    """
+    w = fz.raw[shard]
+    if method in ("Init", "Push", "PushPull"):
+        frames = list(w.frames(w.header(fz.round, lrs=[0.01]), w.chunks(shard, rng.uniform(-1, 1))))
+        body = [mutate(f, rng) if rng.random() < 0.3 else f for f in frames[1:]]
+        rng.shuffle(body)
+        return [frames[0], *body[: rng.randint(0, len(body))], frames[0]]
+    if method == "Pull":
+        return pb.PullRequest(min_version=rng.choice((0, fz.round)), plan_fingerprint=w.plan.fingerprint,
+                              worker_id=w.worker_id, session=w.session, dtype=rng.randrange(4)).SerializeToString()
+    if method == "Join":
+        return pb.JoinRequest(worker_id=w.worker_id, session=w.session, plan=w.plan.to_proto(),
+                              plan_fingerprint=w.plan.fingerprint, optimizer=w.spec,
+                              job=pb.JobView(job_id=rng.choice(("j", "")), initialiser=rng.choice(IDS),
+                                             initialised=rng.random() < 0.5, version=rng.randrange(40))
+                              ).SerializeToString()
+    return None
+
+
+def make_request(method: str, kind: str, rng, shard: int, seeds, plan, spec, fz: FuzzMember):
     """One request for ``method``: bytes for unary-request RPCs, a list of frames for streams."""
     stream = method in ("Init", "Push", "PushPull")
-    seed = seeds[method]
+    seed = seeds[shard][method]
+    if kind == "member":
+        request = member_request(method, rng, shard, fz)
+        if request is not None:
+            return request
+        kind = "seed"
     if kind == "fields":
-        return fields(method, rng, plan, spec, fingerprint)
+        return fields(method, rng, plan, spec)
     if kind == "raw":
         body = [rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(1, 3))]
     elif kind == "mutated":
@@ -203,35 +275,31 @@ def send(channel: grpc.Channel, method: str, request) -> grpc.StatusCode:
 
 
 def test_fuzzing_a_live_shard_changes_nothing(start_cluster) -> None:
-    args = {"min_workers": 2, "extra_args": ("--max-workers", "2")}
+    args = {"min_workers": 3, "extra_args": ("--max-workers", "3")}
     fuzzed = start_cluster(2, **args)
     job = Job(fuzzed.addresses, gated=True)
     job.start()
-    reference_client = ShardClient(fuzzed.addresses[0], index=0)
-    stats = reference_client.stats()
-    m = model()
-    plan, spec = plan_and_spec(m, torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05), num_shards=2)
-    assert stats.plan_fingerprint == plan.fingerprint
-    seeds = templates(plan.fingerprint, plan.to_proto(), spec)
+    plan, spec = plan_and_optimizer()
+    seeds = [templates(shard, plan, spec) for shard in range(2)]
     codes: dict[str, dict[str, int]] = {method: {} for method in METHODS}
     sent = [0]
     every = max(1, len(METHODS) * EXAMPLES // (STEPS + 1))
-    channel = grpc.insecure_channel(fuzzed.addresses[0])
+    channels = [grpc.insecure_channel(a) for a in fuzzed.addresses]
     started = time.monotonic()
     try:
         for method in METHODS:
-            # hypothesis draws the kinds and seeds a Random per example; requests are built from it in plain
-            # Python (a composite draw per field cost ~4 ms per request, three times the call itself)
+            # hypothesis draws the kinds and shards and seeds a Random per example; requests are built from it in
+            # plain Python (a composite draw per field cost ~4 ms per request, three times the call itself)
             @settings(max_examples=-(-EXAMPLES // PER_EXAMPLE), deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
-            @given(st.lists(st.sampled_from(KINDS), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE),
-                   st.randoms(use_true_random=True))
-            def fuzz(kinds, rng) -> None:
-                for kind in kinds:
-                    request = make_request(method, kind, rng, seeds, plan.to_proto(), spec, plan.fingerprint)
-                    code = send(channel, method, request)
+            @given(st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from((0, 1))), min_size=PER_EXAMPLE,
+                            max_size=PER_EXAMPLE), st.randoms(use_true_random=True))
+            def fuzz(draws, rng) -> None:
+                for kind, shard in draws:
+                    request = make_request(method, kind, rng, shard, seeds, plan, spec, job.fuzz_member)
+                    code = send(channels[shard], method, request)
                     codes[method][code.name] = codes[method].get(code.name, 0) + 1
-                    assert code not in BAD_CODES, (method, kind, code, request)
+                    assert code not in BAD_CODES, (method, kind, shard, code, request)
                     sent[0] += 1
                     if sent[0] % every == 0:
                         job.release(1)  # the job advances among the fuzzed calls
@@ -239,8 +307,8 @@ def test_fuzzing_a_live_shard_changes_nothing(start_cluster) -> None:
             fuzz()
         fuzzed_params = job.finish()
     finally:
-        channel.close()
-        reference_client.close()
+        for channel in channels:
+            channel.close()
     elapsed = time.monotonic() - started
     print(f"fuzzed {sent[0]} requests in {elapsed:.0f}s: {codes}")
     assert all(sum(c.values()) >= EXAMPLES for c in codes.values()), codes

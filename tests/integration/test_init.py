@@ -55,7 +55,7 @@ def test_a_shard_that_lost_its_state_is_never_reinitialised(start_cluster) -> No
     assert s0.version == 3 and list(s0.members) == [] and s0.job_id == trained.job_id  # untouched, w1 left
     assert s1.plan_fingerprint == "" and not s1.initialised and list(s1.members) == []  # nothing was accepted
 
-    # A raw client cannot initialise it either: without shard 0's view, or with a view that hides the training.
+    # A raw client cannot initialise it either: without shard 0's view, or with shard 0's (true) view.
     m = model()
     plan, spec = plan_and_spec(m, torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05), num_shards=2)
     client = ShardClient(cluster.addresses[1], index=1)
@@ -69,7 +69,22 @@ def test_a_shard_that_lost_its_state_is_never_reinitialised(start_cluster) -> No
     finally:
         client.close()
 
+    # A forged view (claiming shard 0 is fresh) can initialise the empty shard: views come from clients, which
+    # are trusted until authentication exists. Then the versions give it away: shards 3 rounds apart.
+    client = ShardClient(cluster.addresses[1], index=1)
+    try:
+        forger = RawWorker(client, "w0", plan, spec)  # even the real initialiser's id
+        forged = pb.JobView(job_id=trained.job_id, initialiser="w0", initialised=False, version=0)
+        assert forger.join(job=forged).initialise
+        forger.init(1, dict(m.named_parameters()))
+        forger.leave()
+    finally:
+        client.close()
+    proc = run_worker(cluster.servers, "w1", steps=1)
+    assert proc.returncode == 3 and "shard 1 is at version 0 but shard 0 at 3" in proc.stderr
+
     # Restarting every shard is a new job: it trains from scratch.
+    cluster.restart(1)
     cluster.restart(0)
     assert run_worker(cluster.servers, "w2", steps=2).returncode == 0
     job = stats(cluster.addresses[0], 0).job_id
@@ -112,3 +127,25 @@ def test_an_initialiser_that_never_sends_init_is_replaced(start_cluster) -> None
     finally:
         for c in clients:
             c.close()
+
+
+def test_an_init_that_streams_longer_than_the_timeout_still_completes(start_cluster) -> None:
+    """The init timeout bounds a worker that does not start sending, not a slow Init stream (review finding)."""
+    cluster = start_cluster(1, extra_args=("--init-timeout", "1"))
+    m = model()
+    plan, spec = plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=30.0)
+    try:
+        w = RawWorker(client, "slow", plan, spec)
+        assert w.join().initialise
+        frames = list(w.frames(w.header(), w.chunks(0, params=dict(m.named_parameters())), version=0))
+
+        def slow():
+            for frame in frames:
+                time.sleep(2.5 / len(frames))  # 2.5 s in all, well past the 1 s timeout
+                yield frame
+
+        client.init(slow())
+        assert client.stats().initialised and w.join().job.initialiser == "slow"
+    finally:
+        client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -42,7 +43,7 @@ def test_join_requests_that_ask_for_too_much_are_refused_at_once(start_cluster) 
         "num_shards 2^32-1": (join_request([pb.KeySpec(key="w", shape=[4])], num_shards=(1 << 32) - 1),
                               grpc.StatusCode.FAILED_PRECONDITION, "pass the addresses of all 1 shards"),
         "2^40 elements in 16-byte chunks": (join_request([pb.KeySpec(key="w", shape=[1 << 40])], chunk_bytes=16),
-                                            grpc.StatusCode.INVALID_ARGUMENT, "more than 1048576 chunks"),
+                                            grpc.StatusCode.INVALID_ARGUMENT, "more than 262144 chunks"),
         "group 3e7": (join_request([pb.KeySpec(key="w", shape=[4], group=30_000_000)]),
                       grpc.StatusCode.INVALID_ARGUMENT, "param group 30000000 but the optimizer has 1"),
         "10^5 groups": (join_request([pb.KeySpec(key="w", shape=[4])], groups=100_000),
@@ -92,17 +93,65 @@ def test_members_are_capped_and_memory_is_bounded(start_cluster) -> None:
     finally:
         client.close()
 
-    small = start_cluster(1, extra_args=("--memory-budget-bytes", str(16 << 20)))  # 4 MB x (2 + members)
+    # 4 MB x (2 + members) + 2 MiB of dry-run scratch: two members fit in 20 MiB, a third does not
+    small = start_cluster(1, extra_args=("--memory-budget-bytes", str(20 << 20)))
     client = ShardClient(small.addresses[0], index=0, rpc_timeout=30.0)
     try:
         RawWorker(client, "a", plan, spec).join()
         RawWorker(client, "b", plan, spec).join()
-        with pytest.raises(ShardRpcError, match="memory budget is 16777216 bytes") as err:
+        with pytest.raises(ShardRpcError, match="memory budget is 20971520 bytes") as err:
             RawWorker(client, "c", plan, spec).join()
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert client.stats().members == ["a", "b"]
     finally:
         client.close()
+
+
+def test_staging_of_members_that_leave_mid_push_is_freed(start_cluster) -> None:
+    """Item 12: a member that leaves while its push streams gets its push ended and its staging freed."""
+    cluster = start_cluster(1, extra_args=("--max-workers", "1"))
+    torch.manual_seed(0)
+    m = nn.Linear(1000, 1000)  # 4 MB staged per push
+    plan, spec = plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1), chunk_bytes=1 << 20)
+    client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=30.0)
+    try:
+        first = RawWorker(client, "w", plan, spec)
+        first.join()
+        first.init(0, dict(m.named_parameters()))
+        first.leave()
+        pid = cluster.processes[0].pid
+        before = None
+        for cycle in range(20):
+            w = RawWorker(client, "w", plan, spec)
+            w.join()
+            release = threading.Event()
+            frames = list(w.frames(w.header(0), w.chunks(0, 0.5)))
+
+            def stalled():
+                yield from frames[:-1]
+                release.wait(30)  # this push never finishes by itself
+
+            outcome = {}
+            t = threading.Thread(target=lambda: outcome.update(r=_call(client.push, stalled())))
+            t.start()
+            time.sleep(0.2)
+            w.leave()
+            t.join(10)
+            release.set()
+            assert isinstance(outcome["r"], ShardRpcError) and "left during its push" in outcome["r"].details
+            if cycle == 2:
+                before = rss_bytes(pid)
+        assert rss_bytes(pid) - before < 20 << 20  # 17 more cycles of 4 MB staging each would be 68 MB
+        assert snapshot(client)["version"] == 0 and snapshot(client)["members"] == []
+    finally:
+        client.close()
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except ShardRpcError as exc:
+        return exc
 
 
 def test_pulls_from_non_members_are_refused_at_once(start_cluster) -> None:

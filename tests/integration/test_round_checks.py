@@ -128,15 +128,19 @@ def test_init_with_nan_or_inf_is_refused(start_cluster) -> None:
     client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=20.0)
     a = RawWorker(client, "a", plan, spec)
     assert a.join().initialise
+    before = snapshot(client)
+    assert before == {"version": 0, "members": ["a"], "pushed": [], "digest": "", "initialised": False,
+                      "job_id": before["job_id"]}
     for bad in (float("nan"), float("inf")):
         params = {k: v.detach().clone() for k, v in m.named_parameters()}
         params["bias"][3] = bad
         with pytest.raises(ShardRpcError, match="key 'bias' .* hold NaN or Inf") as err:
             a.init(0, params)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert not client.stats().initialised
+        assert snapshot(client) == before  # still uninitialised, same job, same member
+        assert a.join().initialise  # and a is still the initialiser
     a.init(0, dict(m.named_parameters()))
-    assert client.stats().initialised
+    assert snapshot(client)["initialised"] and pulled(a, 0)["bias"].equal(m.bias.detach())
 
 
 def test_push_pull_with_an_invalid_pull_dtype_applies_nothing(start_cluster) -> None:
@@ -157,8 +161,9 @@ def test_push_pull_with_an_invalid_pull_dtype_applies_nothing(start_cluster) -> 
     ('{"lr": 0.1, "eps": "x"}', "is the string 'x'"),
     ('{"lr": NaN}', "not a finite number"),
     ('{"lr": 0.1, "weight_decay": {"a": 1}}', "has type dict"),
+    ('{"lr": 0.1, "weight_decay": 1' + "0" * 400 + "}", "integer of 401 digits"),
     ('{"lr": 0.1, "eps": 0.0, "betas": [0.9, 0.999]}', None),  # eps 0 is valid: the trial step is finite
-], ids=["one-beta", "string-eps", "nan-lr", "dict", "eps0-ok"])
+], ids=["one-beta", "string-eps", "nan-lr", "dict", "bigint", "eps0-ok"])
 def test_optimizer_settings_are_tried_at_join(start_cluster, hyperparams: str, message: str | None) -> None:
     """Item 8: settings torch accepts at construction but refuses at step() are refused at Join."""
     cluster = start_cluster(1)
