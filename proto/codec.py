@@ -22,10 +22,22 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 
-TORCH_DTYPES: dict[int, torch.dtype] = {
+#: Wire types of parameters and gradients (shards convert them to fp32).
+FLOAT_DTYPES: dict[int, torch.dtype] = {
     pb.FLOAT32: torch.float32,
     pb.BFLOAT16: torch.bfloat16,
     pb.FLOAT16: torch.float16,
+}
+#: Every wire type: buffers travel in their own.
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    **FLOAT_DTYPES,
+    pb.FLOAT64: torch.float64,
+    pb.INT64: torch.int64,
+    pb.INT32: torch.int32,
+    pb.INT16: torch.int16,
+    pb.INT8: torch.int8,
+    pb.UINT8: torch.uint8,
+    pb.BOOL: torch.bool,
 }
 WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
 WIRE_DTYPE_NAMES: dict[str, int] = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp16": pb.FLOAT16}
@@ -40,11 +52,14 @@ class FrameError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class DecodedFrame:
-    """One decoded frame: either a chunk (``header`` + ``payload``) or a ``round`` header."""
+    """One decoded frame: a chunk (``header`` + ``payload``) or one control message, the rest None."""
 
-    header: pb.ChunkHeader | None
-    payload: memoryview | None
-    round: pb.RoundHeader | None
+    header: pb.ChunkHeader | None = None
+    payload: memoryview | None = None
+    round: pb.RoundHeader | None = None
+    trailer: pb.RoundTrailer | None = None
+    report: pb.RoundReport | None = None
+    commit: pb.RoundCommit | None = None
 
 
 def wire_dtype(name: str) -> int:
@@ -92,7 +107,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def encode_chunk(
-    key: str, offset: int, values: torch.Tensor, version: int, *, checksum: bool = False
+    key: str, offset: int, values: torch.Tensor, version: int, *, checksum: bool = False, state: str = ""
 ) -> bytes:
     """Encode one chunk frame.
 
@@ -103,13 +118,14 @@ def encode_chunk(
             its dtype is the wire dtype.
         version: round (push) or parameter version (pull).
         checksum: also send the zlib CRC-32 of the payload.
+        state: the optimizer-state entry the values belong to (GetState/SetState).
 
     Returns:
         ``bytes`` of length ~ ``values.numel() * itemsize + 40``.
     """
     payload = tensor_bytes(values)
     header = pb.ChunkHeader(
-        key=key, offset=offset, numel=values.numel(), dtype=WIRE_DTYPES[values.dtype], version=version
+        key=key, offset=offset, numel=values.numel(), dtype=WIRE_DTYPES[values.dtype], version=version, state=state
     )
     if checksum:
         header.crc32 = zlib.crc32(payload)
@@ -120,8 +136,13 @@ def encode_chunk(
 
 
 def encode_round(header: pb.RoundHeader) -> bytes:
-    """Encode the first frame of an Init/Push/PushPull stream."""
+    """Encode the first frame of an Init/Push/PushPull/SetState stream."""
     return pb.Frame(round=header).SerializeToString()
+
+
+def encode_control(**message) -> bytes:
+    """Encode a frame holding one control message: ``trailer=``, ``report=`` or ``commit=``."""
+    return pb.Frame(**message).SerializeToString()
 
 
 def decode_frame(data: bytes) -> DecodedFrame:
@@ -140,21 +161,24 @@ def decode_frame(data: bytes) -> DecodedFrame:
                 header = pb.ChunkHeader.FromString(buf[pos : pos + n])
                 pos += n
                 if pos == len(buf):
-                    return DecodedFrame(header, memoryview(b""), None)
+                    return DecodedFrame(header, memoryview(b""))
                 if buf[pos] == _TAG_PAYLOAD:
                     n, pos = _read_varint(buf, pos + 1)
                     if pos + n == len(buf):
-                        return DecodedFrame(header, buf[pos : pos + n], None)
+                        return DecodedFrame(header, buf[pos : pos + n])
         frame = pb.Frame.FromString(data)  # the general path: any field order, any runtime
     except FrameError:
         raise
     except Exception as exc:  # protobuf's DecodeError, or a buffer that is not bytes
         raise FrameError(f"malformed frame ({_length(data)}): {exc}") from None
-    if frame.HasField("round"):
-        return DecodedFrame(None, None, frame.round)
+    kinds = [k for k in ("round", "trailer", "report", "commit") if frame.HasField(k)]
     if frame.HasField("header"):
-        return DecodedFrame(frame.header, memoryview(frame.payload), None)
-    raise FrameError("frame has neither a chunk header nor a round header")
+        if kinds:
+            raise FrameError(f"frame has a chunk header and a {kinds[0]}")
+        return DecodedFrame(frame.header, memoryview(frame.payload))
+    if len(kinds) != 1:
+        raise FrameError("frame must hold a chunk or exactly one of round, trailer, report, commit")
+    return DecodedFrame(**{kinds[0]: getattr(frame, kinds[0])})
 
 
 def _length(data: object) -> str:

@@ -161,14 +161,14 @@ def parse_hyperparams(spec: pb.OptimizerSpec) -> list[dict]:
 
 
 def build_optimizer(
-    spec: pb.OptimizerSpec, flat_params: Sequence[tuple[int, torch.Tensor]]
+    spec: pb.OptimizerSpec, group_params: Sequence[tuple[int, Sequence[torch.Tensor]]]
 ) -> torch.optim.Optimizer | None:
-    """Construct ``spec``'s optimizer over a shard's flat fp32 buffers.
+    """Construct ``spec``'s optimizer over a shard's parameters.
 
     Args:
         spec: from :func:`optimizer_spec`.
-        flat_params: ``(group_index, flat fp32 leaf tensor)`` for each param
-            group the shard holds elements of.
+        group_params: ``(group_index, [1-D fp32 tensors])`` for each param group
+            the shard holds elements of (one tensor per key).
 
     Returns:
         The optimizer (fused kernel where torch has one, foreach otherwise),
@@ -180,12 +180,12 @@ def build_optimizer(
     check_shardable(spec.class_name)
     hyperparams = parse_hyperparams(spec)
     groups = []
-    for g, tensor in flat_params:
+    for g, tensors in group_params:
         if g >= len(hyperparams):
             raise OptimizerSpecError(
                 f"the partition plan uses param group {g} but the optimizer spec has {len(hyperparams)} group(s)"
             )
-        groups.append({"params": [tensor], **hyperparams[g]})
+        groups.append({"params": list(tensors), **hyperparams[g]})
     if not groups:
         return None
     cls = getattr(torch.optim, spec.class_name)

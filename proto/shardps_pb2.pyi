@@ -13,10 +13,24 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 BFLOAT16: DType
 FLOAT16: DType
+FLOAT64: DType
+INT64: DType
+INT32: DType
+INT16: DType
+INT8: DType
+UINT8: DType
+BOOL: DType
 
 class KeySpec(_message.Message):
     __slots__ = ("key", "shape", "group")
@@ -28,15 +42,27 @@ class KeySpec(_message.Message):
     group: int
     def __init__(self, key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., group: _Optional[int] = ...) -> None: ...
 
+class BufferSpec(_message.Message):
+    __slots__ = ("key", "shape", "dtype")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
 class PlanSpec(_message.Message):
-    __slots__ = ("keys", "num_shards", "chunk_bytes")
+    __slots__ = ("keys", "num_shards", "chunk_bytes", "buffers")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[KeySpec]
     num_shards: int
     chunk_bytes: int
-    def __init__(self, keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferSpec]
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeySpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferSpec, _Mapping]]] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("class_name", "group_hyperparams_json")
@@ -59,20 +85,22 @@ class JobView(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., initialiser: _Optional[str] = ..., initialised: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job")
+    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job", "static_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    STATIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     plan: PlanSpec
     plan_fingerprint: str
     optimizer: OptimizerSpec
     session: str
     job: JobView
-    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ...) -> None: ...
+    static_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., static_digest: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("initialise", "version", "members", "shard_index", "job")
@@ -109,7 +137,7 @@ class StatsRequest(_message.Message):
     def __init__(self, digest: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +156,7 @@ class StatsReply(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -146,49 +175,94 @@ class StatsReply(_message.Message):
     waiting: int
     max_workers: int
     digest: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    rounds_skipped: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32")
+    __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     numel: int
     dtype: DType
     version: int
     crc32: int
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    state: str
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("worker_id", "round", "lrs", "plan_fingerprint", "pull_dtype", "session")
+    __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    LRS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SCALED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     round: int
-    lrs: _containers.RepeatedScalarFieldContainer[float]
     plan_fingerprint: str
     pull_dtype: DType
     session: str
-    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., lrs: _Optional[_Iterable[float]] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ...) -> None: ...
+    scaled: bool
+    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ...) -> None: ...
+
+class RoundTrailer(_message.Message):
+    __slots__ = ("lrs", "group_hyperparams_json", "absent_keys", "inv_scale", "max_grad_norm", "norm_type")
+    LRS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HYPERPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INV_SCALE_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    lrs: _containers.RepeatedScalarFieldContainer[float]
+    group_hyperparams_json: _containers.RepeatedScalarFieldContainer[str]
+    absent_keys: _containers.RepeatedScalarFieldContainer[int]
+    inv_scale: float
+    max_grad_norm: float
+    norm_type: float
+    def __init__(self, lrs: _Optional[_Iterable[float]] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ..., absent_keys: _Optional[_Iterable[int]] = ..., inv_scale: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., norm_type: _Optional[float] = ...) -> None: ...
+
+class RoundReport(_message.Message):
+    __slots__ = ("round", "norm_part", "found_inf")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NORM_PART_FIELD_NUMBER: _ClassVar[int]
+    FOUND_INF_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    norm_part: float
+    found_inf: bool
+    def __init__(self, round: _Optional[int] = ..., norm_part: _Optional[float] = ..., found_inf: _Optional[bool] = ...) -> None: ...
+
+class RoundCommit(_message.Message):
+    __slots__ = ("round", "skip", "clip_coef")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    skip: bool
+    clip_coef: float
+    def __init__(self, round: _Optional[int] = ..., skip: _Optional[bool] = ..., clip_coef: _Optional[float] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("header", "payload", "round")
+    __slots__ = ("header", "payload", "round", "trailer", "report", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: ChunkHeader
     payload: bytes
     round: RoundHeader
-    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., payload: _Optional[bytes] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ...) -> None: ...
+    trailer: RoundTrailer
+    report: RoundReport
+    commit: RoundCommit
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., payload: _Optional[bytes] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ..., trailer: _Optional[_Union[RoundTrailer, _Mapping]] = ..., report: _Optional[_Union[RoundReport, _Mapping]] = ..., commit: _Optional[_Union[RoundCommit, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("min_version", "plan_fingerprint", "dtype", "worker_id", "session")
@@ -211,6 +285,22 @@ class InitReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("worker_id", "session", "plan_fingerprint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: str
+    plan_fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., plan_fingerprint: _Optional[str] = ...) -> None: ...
+
+class SetStateReply(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int

@@ -69,6 +69,16 @@ class ShardStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.GetState = channel.unary_stream(
+                '/shardps.v1.Shard/GetState',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.StateRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
+                _registered_method=True)
+        self.SetState = channel.stream_unary(
+                '/shardps.v1.Shard/SetState',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.SetStateReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -95,15 +105,18 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Parameters at version >= min_version, one frame per chunk.
+        """Parameters at version >= min_version, one frame per chunk, then the
+        buffers' chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PushPull(self, request_iterator, context):
-        """A sync step in one round trip: push the round's gradients, then
-        receive the parameters of version round + 1.
+        """A sync step in one round trip: push the round's gradients (and buffers,
+        ending with a RoundTrailer), then receive the parameters of version
+        round + 1. A round that clips or scales adds one exchange first: the
+        shard sends a RoundReport and the worker answers with a RoundCommit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +130,22 @@ class ShardServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetState(self, request, context):
+        """The optimizer state of this shard's elements, one frame per chunk and
+        state entry (ChunkHeader.state); scalar entries once per key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetState(self, request_iterator, context):
+        """Replace the optimizer state (same frames as GetState, after a RoundHeader),
+        all or nothing, between rounds.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -158,6 +187,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.StatsRequest.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.StatsReply.SerializeToString,
+            ),
+            'GetState': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.StateRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
+            ),
+            'SetState': grpc.stream_unary_rpc_method_handler(
+                    servicer.SetState,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.SetStateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +388,60 @@ class Shard:
             '/shardps.v1.Shard/Stats',
             shardps_dot_proto_dot_shardps__pb2.StatsRequest.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardps.v1.Shard/GetState',
+            shardps_dot_proto_dot_shardps__pb2.StateRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shardps.v1.Shard/SetState',
+            shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.SetStateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import TORCH_DTYPES
-from shardps.proto.plan import MASTER_ITEMSIZE, MIN_CHUNK_BYTES
+from shardps.proto.codec import FLOAT_DTYPES, DecodedFrame, FrameError, decode_frame
+from shardps.proto.optim import parse_hyperparams
+from shardps.proto.plan import BUFFER_ITEMSIZE, MASTER_ITEMSIZE, MIN_CHUNK_BYTES
 from shardps.server.config import ShardConfig
 from shardps.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shardps.server.optimizer import SEGMENT
@@ -24,6 +25,18 @@ MAX_SESSION_CHARS = 64
 MAX_KEY_CHARS = 1024
 #: How much of a client-chosen string goes into a message or a log line.
 SHOWN_CHARS = 64
+
+
+def decode(raw: bytes, what: str) -> DecodedFrame:
+    """Decode one frame of a client's stream.
+
+    Raises:
+        InvalidArgument: the bytes are not a frame (``what`` names the call).
+    """
+    try:
+        return decode_frame(raw)
+    except FrameError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
 
 
 def shown(text: str) -> str:
@@ -54,23 +67,61 @@ def check_session(session: str) -> None:
 
 
 def check_dtype(code: int, what: str) -> None:
-    """``code`` is a wire dtype shardps sends (0 means float32)."""
-    if code and code not in TORCH_DTYPES:
+    """``code`` is a wire dtype of parameters and gradients (0 means float32)."""
+    if code and code not in FLOAT_DTYPES:
         raise InvalidArgument(f"{what} {code} is not a wire dtype; use FLOAT32, BFLOAT16 or FLOAT16")
 
 
 def check_round_header(header: pb.RoundHeader, config: ShardConfig) -> None:
-    """Every field of a round header, before any frame of the stream is read.
-
-    Learning rates must be finite and >= 0 (the count is checked against the
-    job's param groups by the store).
-    """
+    """Every field of a round header, before any frame of the stream is read."""
     check_worker_id(header.worker_id, config)
     check_session(header.session)
     check_dtype(header.pull_dtype, "pull_dtype")
-    for g, lr in enumerate(header.lrs):
+
+
+def check_trailer(trailer: pb.RoundTrailer, num_groups: int, hyperparam_names: list[set[str]]) -> list[dict] | None:
+    """Every field of a round's trailer, before the push is accepted.
+
+    Args:
+        num_groups: param groups of the job's optimizer.
+        hyperparam_names: each group's hyperparameter names (without ``lr``) the job fixed.
+
+    Returns:
+        Each group's hyperparameters without ``lr`` if the trailer carries them, else None.
+
+    Raises:
+        InvalidArgument: a learning rate, hyperparameter, scale, norm or norm order
+            that is out of range or malformed (the message names it).
+    """
+    if len(trailer.lrs) != num_groups:
+        raise InvalidArgument(f"the push carries {len(trailer.lrs)} learning rates for {num_groups} param group(s)")
+    for g, lr in enumerate(trailer.lrs):
         if not (math.isfinite(lr) and lr >= 0):
             raise InvalidArgument(f"learning rate of param group {g} is {lr}; it must be a finite number >= 0")
+    if not (math.isfinite(trailer.inv_scale) and trailer.inv_scale >= 0):
+        raise InvalidArgument(f"inv_scale is {trailer.inv_scale}; it must be a finite number >= 0 (0: not scaled)")
+    if not (math.isfinite(trailer.max_grad_norm) and trailer.max_grad_norm >= 0):
+        raise InvalidArgument(f"max_grad_norm is {trailer.max_grad_norm}; it must be a finite number >= 0")
+    if not (trailer.norm_type == math.inf or (math.isfinite(trailer.norm_type) and trailer.norm_type >= 0)):
+        raise InvalidArgument(f"norm_type is {trailer.norm_type}; it must be > 0 (or inf; 0 means 2)")
+    if not trailer.group_hyperparams_json:
+        return None
+    spec = pb.OptimizerSpec(class_name="", group_hyperparams_json=trailer.group_hyperparams_json)
+    if len(spec.group_hyperparams_json) != num_groups:
+        raise InvalidArgument(f"the push carries hyperparameters of {len(spec.group_hyperparams_json)} param "
+                              f"group(s), not {num_groups}")
+    try:
+        groups = parse_hyperparams(spec)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    for g, hp in enumerate(groups):
+        hp.pop("lr", None)
+        if set(hp) != hyperparam_names[g]:
+            raise InvalidArgument(
+                f"hyperparameters of param group {g} are {sorted(hp)}; the job's optimizer has "
+                f"{sorted(hyperparam_names[g])}"
+            )
+    return groups
 
 
 def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> int:
@@ -124,7 +175,28 @@ def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> 
                 f"the plan would cut the model into more than {config.max_chunks} chunks; "
                 "use a larger chunk_bytes (or raise the shard's --max-chunks)"
             )
-    return -(-total // config.num_shards) + per_chunk
+    if len(spec.keys) + len(spec.buffers) > config.max_keys:
+        raise InvalidArgument(f"the plan has {len(spec.keys) + len(spec.buffers)} keys and buffers; this shard "
+                              f"accepts at most {config.max_keys}")
+    buffer_bytes = 0
+    for b in spec.buffers:
+        if not b.key or len(b.key) > MAX_KEY_CHARS:
+            raise InvalidArgument(f"buffer {shown(b.key)} must have 1 to {MAX_KEY_CHARS} characters")
+        if len(b.shape) > config.max_dims:
+            raise InvalidArgument(f"buffer {shown(b.key)} has {len(b.shape)} dimensions (at most {config.max_dims})")
+        itemsize = BUFFER_ITEMSIZE.get(b.dtype)
+        if itemsize is None:
+            raise InvalidArgument(f"buffer {shown(b.key)} has unsupported dtype {b.dtype}")
+        numel = math.prod(b.shape)
+        buffer_bytes += numel * itemsize
+        chunks += -(-numel // max(1, spec.chunk_bytes // itemsize))
+        if chunks > config.max_chunks:
+            raise InvalidArgument(
+                f"the plan would cut the model and its buffers into more than {config.max_chunks} chunks; "
+                "use a larger chunk_bytes (or raise the shard's --max-chunks)"
+            )
+    # parameters, and buffers counted as fp32 elements of the same bytes
+    return -(-(total + -(-buffer_bytes // MASTER_ITEMSIZE)) // config.num_shards) + per_chunk
 
 
 def check_memory(elements: int, state_buffers: int, members: int, config: ShardConfig) -> None:

@@ -40,7 +40,9 @@ class Job:
         table: this shard's chunks of the job's partition plan.
         plan_bytes: the plan as sent (deterministic protobuf bytes), to compare later joins.
         spec: the optimizer class and hyperparameters.
-        hyperparams: each group's hyperparameters without ``lr`` (schedulers change lr).
+        hyperparams: each group's hyperparameters without ``lr`` at the first Join (they may
+            change every round; later joiners must have the same names).
+        static_digest: SHA-256 of the first joiner's parameters outside the optimizer.
         num_groups: param groups of the optimizer (a push carries one lr each).
         state_buffers: optimizer-state buffers per element (from the trial step).
         job_id: shard 0's id of the job.
@@ -58,6 +60,7 @@ class Job:
     hyperparams: list[dict]
     num_groups: int
     state_buffers: int
+    static_digest: str = ""
     job_id: str = ""
     initialiser: str | None = None
     initialiser_lost: bool = False
@@ -77,10 +80,11 @@ class Job:
         )
 
     def check_same_job(self, request: pb.JoinRequest, hyperparams: list[dict]) -> None:
-        """A later joiner must send the first joiner's plan and optimizer.
+        """A later joiner must send the first joiner's plan, optimizer and parameters outside the optimizer.
 
         Raises:
-            FailedPrecondition: another model, chunk size, shard count or optimizer.
+            FailedPrecondition: another model, chunk size, shard count, optimizer class or
+                hyperparameter names, or other parameters outside the optimizer.
             InvalidArgument: the plan sent does not match its own fingerprint.
         """
         if request.plan_fingerprint != self.fingerprint:
@@ -91,10 +95,19 @@ class Job:
             )
         if request.plan.SerializeToString(deterministic=True) != self.plan_bytes:
             raise InvalidArgument("the plan sent does not match its fingerprint; worker and shard disagree on the plan")
-        if request.optimizer.class_name != self.spec.class_name or hyperparams != self.hyperparams:
+        names = [sorted(hp) for hp in hyperparams]
+        if request.optimizer.class_name != self.spec.class_name or names != [sorted(hp) for hp in self.hyperparams]:
             raise FailedPrecondition(
-                f"the worker uses optimizer {shown(request.optimizer.class_name)} with {hyperparams} but this "
-                f"shard runs {self.spec.class_name} with {self.hyperparams}; every worker must build the same optimizer"
+                f"the worker uses optimizer {shown(request.optimizer.class_name)} with groups {names} but this "
+                f"shard runs {self.spec.class_name} with groups {[sorted(hp) for hp in self.hyperparams]}; every "
+                "worker must build the same optimizer (values may differ: each round carries the lowest worker "
+                "id's)"
+            )
+        if request.static_digest != self.static_digest:
+            raise FailedPrecondition(
+                "the worker's parameters outside the optimizer differ from the first worker's (SHA-256 "
+                f"{shown(request.static_digest)} vs {self.static_digest!r}); they are never sent, so load the same "
+                "weights on every worker before building DistributedOptimizer"
             )
 
     # -------------------------------------------------------------- shard 0

@@ -37,6 +37,7 @@ class Member:
     Attributes:
         staging: this worker's gradients of the open round once its push is
             accepted (``{group: 1-D float32}``), else None.
+        arena: its buffers of that push (uint8 byte arena), if the plan has buffers.
         pushing: the task receiving this member's push stream, if one is (a Leave cancels it).
         last_round: the last round whose push was accepted (-1: none pending).
         failed: ``(round, error)`` when the round it pushed was refused; its
@@ -46,6 +47,7 @@ class Member:
     worker_id: str
     session: str
     staging: dict[int, torch.Tensor] | None = None
+    arena: torch.Tensor | None = None
     pushing: asyncio.Task | None = None
     last_round: int = -1
     failed: tuple[int, ShardError] | None = None

@@ -1,64 +1,105 @@
-"""Bulk synchronous rounds of one shard: staged pushes, the apply on the compute thread, refusals.
+"""Bulk synchronous rounds of one shard: staged pushes, the commit exchange, the apply, refusals.
 
 Bulk synchronous parallel (Valiant, "A bridging model for parallel
 computation", CACM 1990): round ``r`` completes once every member has pushed
-its gradients for ``r`` and at least ``min_workers`` workers have joined;
-the gradients are averaged (summed in worker-id order, so the result does
-not depend on arrival order), the optimizer steps, and the version becomes
-``r + 1``. A round whose update would not be finite is refused whole: state
+it and at least ``min_workers`` workers have joined. A push is a worker's
+gradient chunks (none for keys whose gradient is None), its buffers, and a
+trailer with the round's learning rates, changed hyperparameters, absent
+keys, loss scale and clipping. The gradients are averaged over all members
+(a member without a gradient for a key counts as zero, as DDP averages),
+summed in worker-id order so the result does not depend on arrival order;
+keys nobody had a gradient for are not stepped at all. The lowest worker
+id's trailer and buffers are the round's (every worker's should agree; the
+rule makes the result deterministic when they do not).
+
+Rounds that clip or scale need one number from every shard: the shard
+averages and unscales, sends each member a :class:`pb.RoundReport` (its part
+of the norm, whether it found Inf/NaN), and waits for every member's
+:class:`pb.RoundCommit` (skip, clip coefficient), which all must agree. So
+every shard clips by the same coefficient and skips the same rounds.
+
+A round whose update would not be finite is refused whole: state
 unchanged, every pusher of the round gets the error, and the shard collects
-the same round again.
+the same round again. A skipped round (GradScaler overflow) completes with
+the parameters and optimizer state unchanged.
 
 Runs on the shard's event loop beside ``store.py`` and shares its
 membership and notifier. Everything a round needs is captured in one
-synchronous step when the round closes (:meth:`Rounds.maybe_apply`), so a
-Leave or a push arriving while the apply task starts cannot change it.
+synchronous step when it closes (:meth:`Rounds.maybe_apply`), so a Leave or
+a push arriving while the apply starts cannot change it.
 
-Staging memory: each member's push is received into a buffer the size of
-the shard's parameters, taken when the push starts and given back when the
-round is applied, the push fails, or the member leaves (its push is then
-cancelled). Spare buffers are kept for reuse, never more than one per
-member, so staging is at most one buffer per member.
+Staging memory: each member's push is received into a gradient buffer the
+size of the shard's parameters (and a byte arena the size of its buffers),
+taken when the push starts and given back when the round is applied, the
+push fails, or the member leaves (its push is then ended). Spare buffers
+are kept for reuse, never more than one per member.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
+from shardps.server import checks
 from shardps.server.checks import shown
 from shardps.server.chunks import ChunkTable
 from shardps.server.config import ShardConfig
 from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable, stop_call
 from shardps.server.membership import Member, Membership
-from shardps.server.optimizer import RoundRefused, ShardOptimizer
+from shardps.server.optimizer import RoundRefused, ShardOptimizer, average_
 
 log = logging.getLogger(__name__)
 
 
+def _needs_commit(trailer: pb.RoundTrailer) -> bool:
+    """A round that clips or scales needs every shard's report and every member's commit."""
+    return bool(trailer.inv_scale or trailer.max_grad_norm)
+
+
 @dataclass
-class _Closed:
+class _Pushed:
+    """One member's accepted push of the open round (its gradients are in ``member.staging``)."""
+
+    trailer: pb.RoundTrailer
+    scaled: bool
+    hyperparams: list[dict] | None
+
+
+@dataclass(eq=False)
+class Closed:
     """What a round captured when it closed: applied from this, whatever happens meanwhile."""
 
     number: int
     members: list[Member]
     grads: list[dict[int, torch.Tensor]]
-    lrs: list[float]
+    arenas: list[torch.Tensor | None]
+    lead: _Pushed
+    present: set[int]
+    report: pb.RoundReport | None = None
+    commits: dict[str, pb.RoundCommit] = field(default_factory=dict)
+    committed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def needs_commit(self) -> bool:
+        return _needs_commit(self.lead.trailer)
 
 
 class Rounds:
-    """The open round of one shard and its applying.
+    """The open round of one shard, its parameters, buffers and optimizer.
 
     Attributes:
-        version: rounds applied so far.
+        version: rounds applied so far (skipped ones included).
         applying: a closed round is being applied (pulls do not read the buffers meanwhile).
-        pushed: ``{worker_id: lrs}`` of the members whose push of the open round was accepted.
-        applied: rounds applied by this process.
+        closed: the round being applied, while it is.
+        pushed: ``{worker_id: push}`` of the members whose push of the open round was accepted.
+        params: ``{group: flat fp32}``; buffers: the buffer arena (uint8).
+        applied, skipped: rounds applied, and of those skipped (loss-scale overflow).
         state_bytes: optimizer-state bytes after the last round.
 
     Args:
@@ -73,47 +114,62 @@ class Rounds:
         self.config, self._members, self._notify, self._run = config, members, notify, run
         self.version = 0
         self.applying = False
-        self.pushed: dict[str, list[float]] = {}
-        self.applied = 0
+        self.closed: Closed | None = None
+        self.pushed: dict[str, _Pushed] = {}
+        self.applied = self.skipped = 0
         self.state_bytes = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
+        self.params: dict[int, torch.Tensor] = {}
+        self.buffers = torch.empty(0, dtype=torch.uint8)
+        self._hyperparam_names: list[set[str]] = []
         self._spare: list[dict[int, torch.Tensor]] = []
+        self._spare_arenas: list[torch.Tensor] = []
         self._task: asyncio.Task | None = None
 
-    def start(self, table: ChunkTable, optimizer: ShardOptimizer) -> None:
+    def start(self, table: ChunkTable, optimizer: ShardOptimizer, params: dict[int, torch.Tensor],
+              buffers: torch.Tensor, hyperparam_names: list[set[str]]) -> None:
         """The shard was initialised: rounds may begin."""
-        self.table, self.optimizer = table, optimizer
+        self.table, self.optimizer, self.params, self.buffers = table, optimizer, params, buffers
+        self._hyperparam_names = hyperparam_names
         self.state_bytes = optimizer.state_bytes()  # Adagrad's state exists from the start
 
     def forget(self) -> None:
         """The job was forgotten before initialisation: drop its buffers."""
-        self.table, self.optimizer, self._spare = None, None, []
+        self.table, self.optimizer, self.params, self._spare, self._spare_arenas = None, None, {}, [], []
 
     def waiting_for(self) -> list[str]:
         """Members whose push of the open round has not been accepted, in id order."""
         return [w for w in self._members.ids() if w not in self.pushed]
 
     # ------------------------------------------------------------------ push
-    async def push(self, member: Member, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
-        """Receive ``member``'s push of round ``header.round``; apply the round if it completes.
+    async def push(self, member: Member, header: pb.RoundHeader, frames: AsyncIterator[bytes], *,
+                   can_commit: bool) -> tuple[int, bool]:
+        """Receive ``member``'s push of round ``header.round``; close the round if it completes.
 
         The caller has checked the header and the member. Idempotent: a push of a
         round already accepted from this member is ignored, unread.
 
+        Args:
+            can_commit: the call can carry the report/commit exchange (PushPull);
+                a Push that asks to clip or scale is refused.
+
         Returns:
-            Payload bytes received (0 for an ignored retry).
+            ``(bytes, needs_commit)``: payload bytes received (0 for an ignored
+            retry), and whether this push asked to clip or scale (the caller then
+            sends the round's report and waits for the member's commit).
 
         Raises:
             FailedPrecondition: a round other than the open one.
-            InvalidArgument: bad frames, missing chunks, NaN/Inf gradients (state unchanged);
-                or the round this push completed was refused (its error).
+            InvalidArgument: bad frames or trailer, missing chunks, NaN/Inf gradients
+                (state unchanged); or the round this push completed was refused.
             Aborted: another push of this member is in flight, the round is being
                 applied, or it closed without this push (the member left).
         """
         rnd = header.round
-        if member.last_round == rnd:
-            return 0  # a retry of an accepted push: never double-count
+        if member.last_round == rnd:  # a retry of an accepted push: never double-count
+            earlier = self.pushed.get(member.worker_id)
+            return 0, earlier is not None and _needs_commit(earlier.trailer)
         if self.applying:
             raise Aborted(
                 f"round {self.version} is being applied; pull version {self.version + 1}, "
@@ -126,35 +182,59 @@ class Rounds:
             )
         if member.pushing is not None:
             raise Aborted(f"another push from worker {shown(member.worker_id)} is in progress")
-        member.pushing = asyncio.current_task()  # a Leave cancels it (and frees its staging)
+        member.pushing = asyncio.current_task()  # a Leave ends it (and frees its staging)
         staging = self._spare.pop() if self._spare else self.table.allocate()
+        arena = None
+        if self.table.buffer_chunks:
+            arena = self._spare_arenas.pop() if self._spare_arenas else self.table.allocate_buffers()
+        what = f"push of round {rnd}"
         try:
-            rx = self.table.receiver(rnd, staging, what=f"push of round {rnd}",
-                                     reject_nonfinite=self.config.reject_nonfinite)
+            rx = self.table.receiver(rnd, staging, arena, what=what,
+                                     reject_nonfinite=self.config.reject_nonfinite and not header.scaled)
+            trailer = None
             async for raw in frames:
-                rx.add(raw)
-            received = rx.finish()
+                frame = rx.add(raw)
+                if frame.trailer is not None:
+                    trailer = frame.trailer
+                    break
+                if frame.header is None:
+                    raise InvalidArgument(f"{what}: only chunks and then a RoundTrailer may follow the round header")
+            if trailer is None:
+                raise InvalidArgument(f"{what}: the stream ended without its RoundTrailer")
+            hyperparams = checks.check_trailer(trailer, len(self._hyperparam_names), self._hyperparam_names)
+            if (trailer.inv_scale or trailer.max_grad_norm) and not can_commit:
+                raise InvalidArgument(f"{what}: a round that clips or scales needs PushPull (it exchanges a report "
+                                      "and a commit)")
+            if trailer.inv_scale and not header.scaled:
+                raise InvalidArgument(f"{what}: inv_scale is set but the round header does not say 'scaled'")
+            received = rx.finish(trailer.absent_keys)
             if self._members.find(member.worker_id) is not member or self.version != rnd or self.applying:
                 raise Aborted(f"round {rnd} closed without worker {shown(member.worker_id)}'s push (it left)")
         except BaseException:
-            self._give_back(staging)
+            self._give_back(staging, arena)
             raise
         finally:
             member.pushing = None
-        member.staging, member.last_round, member.failed = staging, rnd, None
-        self.pushed[member.worker_id] = list(header.lrs)
+        member.staging, member.arena, member.last_round, member.failed = staging, arena, rnd, None
+        self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams)
+        needs_commit = _needs_commit(trailer)
         task = self.maybe_apply()
-        if task is not None:
+        if task is not None and not needs_commit:
             await asyncio.shield(task)  # the last pusher's reply carries the new version
             if member.failed is not None and member.failed[0] == rnd:
                 raise member.failed[1]
-        return received
+        return received, needs_commit
 
-    def _give_back(self, staging: dict[int, torch.Tensor]) -> None:
-        if self.table is not None and len(self._spare) < max(1, len(self._members)):
+    def _give_back(self, staging: dict[int, torch.Tensor] | None, arena: torch.Tensor | None) -> None:
+        limit = max(1, len(self._members))
+        if self.table is None:
+            return
+        if staging is not None and len(self._spare) < limit:
             self._spare.append(staging)
+        if arena is not None and len(self._spare_arenas) < limit:
+            self._spare_arenas.append(arena)
 
-    # ------------------------------------------------------------------ apply
+    # ------------------------------------------------------------------ close and apply
     def maybe_apply(self) -> asyncio.Task | None:
         """Close the open round and start applying it if every member has pushed it."""
         if self.applying or not self.pushed or len(self._members) < self.config.min_workers:
@@ -163,22 +243,53 @@ class Rounds:
             return None
         workers = sorted(self.pushed)
         members = [self._members.find(w) for w in workers]
-        closed = _Closed(self.version, members, [m.staging for m in members], self.pushed[workers[0]])
-        if any(self.pushed[w] != closed.lrs for w in workers):
-            log.warning("round %d: workers pushed different learning rates; using %s's", closed.number,
-                        shown(workers[0]))
+        pushes = [self.pushed[w] for w in workers]
+        lead = pushes[0]
+        present = set(range(len(self.table.plan.keys)))
+        present -= set.intersection(*(set(p.trailer.absent_keys) for p in pushes))
+        closed = Closed(self.version, members, [m.staging for m in members], [m.arena for m in members], lead,
+                        present)
         for m in members:
-            m.staging = None  # the apply owns the buffers now: a member leaving meanwhile frees nothing
-        self.applying = True
-        self._task = asyncio.get_running_loop().create_task(self._apply(closed))
+            m.staging = m.arena = None  # the apply owns the buffers now: a member leaving meanwhile frees nothing
+        self.applying, self.closed = True, closed
+        self._task = asyncio.get_running_loop().create_task(self._apply(closed, pushes, workers))
         return self._task
 
-    async def _apply(self, closed: _Closed) -> None:
-        """Average and step on the compute thread; then advance the version, or refuse the round."""
+    async def _apply(self, closed: Closed, pushes: list[_Pushed], workers: list[str]) -> None:
+        """Average, exchange report and commits if needed, step; then advance the version or refuse."""
+        skip = False
         try:
-            await self._run(self.optimizer.apply, closed.grads, closed.lrs, self.config.reject_nonfinite)
+            self._check_agreement(closed, pushes, workers)
+            lead = closed.lead.trailer
+            norm_type = lead.norm_type or 2.0
+
+            def average_and_report() -> None:
+                average_(closed.grads)
+                if not closed.needs_commit and self.config.reject_nonfinite:
+                    self.optimizer.check_average(closed.grads[0], closed.present)
+                if closed.needs_commit:
+                    part, found = self.optimizer.report(closed.grads[0], closed.present, lead.inv_scale, norm_type)
+                    closed.report = pb.RoundReport(round=closed.number, norm_part=part, found_inf=found)
+
+            await self._run(average_and_report)
+            clip_coef = 1.0
+            if closed.needs_commit:
+                self._notify()  # the members' PushPull calls send the report
+                commit = await self._commits(closed)
+                skip, clip_coef = commit.skip, commit.clip_coef or 1.0
+
+            def step() -> None:
+                if closed.lead.hyperparams is not None:
+                    self.optimizer.set_hyperparams(closed.lead.hyperparams)
+                if not skip:
+                    self.optimizer.apply(closed.grads[0], closed.present, list(lead.lrs), clip_coef,
+                                         self.config.reject_nonfinite)
+                if closed.arenas[0] is not None:
+                    self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
+
+            await self._run(step)
         except RoundRefused as exc:
-            where = f" at {self.table.describe(exc.group, exc.start)}" if exc.group >= 0 else ""
+            where = f" at {self.table.describe(exc.key)}" if exc.key >= 0 else ""
             self._refuse(closed, InvalidArgument(
                 f"round {closed.number} was refused: {exc.reason}{where}; the shard's parameters and optimizer "
                 f"state are unchanged and it collects round {closed.number} again"
@@ -193,15 +304,76 @@ class Rounds:
         else:
             self.version += 1
             self.applied += 1
+            self.skipped += skip
             self.state_bytes = self.optimizer.state_bytes()
         finally:
-            for grads in closed.grads:
-                self._give_back(grads)
+            for grads, arena in zip(closed.grads, closed.arenas):
+                self._give_back(grads, arena)
             self.pushed.clear()
-            self.applying = False
+            self.applying, self.closed = False, None
             self._notify()
 
-    def _refuse(self, closed: _Closed, error: Exception) -> None:
+    def _check_agreement(self, closed: Closed, pushes: list[_Pushed], workers: list[str]) -> None:
+        """Every member must scale and clip alike (else some would not take part in the commit exchange)."""
+        lead = closed.lead
+        def options(p: _Pushed) -> tuple:
+            t = p.trailer
+            return p.scaled, t.inv_scale, t.max_grad_norm, (t.norm_type or 2.0) if t.max_grad_norm else None
+
+        for w, p in zip(workers, pushes):
+            t, lt = p.trailer, lead.trailer
+            if options(p) != options(lead):
+                raise RoundRefused(
+                    f"workers {shown(workers[0])} and {shown(w)} push with different loss scales or clipping "
+                    f"(inv_scale {lt.inv_scale} vs {t.inv_scale}, max_grad_norm {lt.max_grad_norm} vs "
+                    f"{t.max_grad_norm}, norm_type {lt.norm_type} vs {t.norm_type}): every worker must use the same "
+                    "GradScaler state, max_grad_norm and norm_type"
+                )
+            if list(t.lrs) != list(lt.lrs) or (p.hyperparams is not None and p.hyperparams != lead.hyperparams):
+                log.warning("round %d: worker %s pushed other hyperparameters than %s; %s's are used",
+                            closed.number, shown(w), shown(workers[0]), shown(workers[0]))
+
+    async def _commits(self, closed: Closed) -> pb.RoundCommit:
+        """Wait for the commit of every member of the closed round still here; they must agree."""
+        self._check_committed(closed)
+        try:
+            await asyncio.wait_for(closed.committed.wait(), self.config.max_wait_seconds)
+        except TimeoutError:
+            missing = [shown(m.worker_id) for m in closed.members if m.worker_id not in closed.commits]
+            raise RoundRefused(f"workers {missing[:20]} did not commit round {closed.number} within "
+                               f"{self.config.max_wait_seconds:.0f}s") from None
+        commits = list(closed.commits.values())
+        if not commits:
+            raise RoundRefused("every member of the round left before committing it")
+        first = commits[0]
+        if any((c.skip, c.clip_coef) != (first.skip, first.clip_coef) for c in commits):
+            raise RoundRefused("the workers' commits disagree (skip or clip coefficient): they must see the same "
+                               "reports")
+        return first
+
+    def _check_committed(self, closed: Closed) -> None:
+        here = [m for m in closed.members if self._members.find(m.worker_id) is m]
+        if all(m.worker_id in closed.commits for m in here):
+            closed.committed.set()
+
+    def commit(self, member: Member, commit: pb.RoundCommit) -> None:
+        """Record ``member``'s commit of the closed round.
+
+        Raises:
+            FailedPrecondition: no such round is waiting for commits, or the member is not in it.
+            InvalidArgument: a clip coefficient that is not a number in (0, 1].
+        """
+        closed = self.closed
+        if closed is None or closed.number != commit.round or closed.report is None:
+            raise FailedPrecondition(f"round {commit.round} is not waiting for commits")
+        if member not in closed.members:
+            raise FailedPrecondition(f"worker {shown(member.worker_id)} is not in round {commit.round}")
+        if not commit.skip and not (math.isfinite(commit.clip_coef) and 0 < commit.clip_coef <= 1):
+            raise InvalidArgument(f"clip_coef {commit.clip_coef} must be in (0, 1]")
+        closed.commits.setdefault(member.worker_id, commit)
+        self._check_committed(closed)
+
+    def _refuse(self, closed: Closed, error: Exception) -> None:
         log.warning("shard %d: %s", self.config.shard_index, error)
         for m in closed.members:
             m.failed, m.last_round = (closed.number, error), -1
@@ -212,8 +384,10 @@ class Rounds:
         self.pushed.pop(member.worker_id, None)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
             stop_call(member.pushing, Aborted(f"worker {shown(member.worker_id)} left during its push"))
-        if member.staging is not None:
-            self._give_back(member.staging)
-            member.staging = None
+        self._give_back(member.staging, member.arena)
+        member.staging = member.arena = None
         del self._spare[max(1, len(self._members)):]
+        del self._spare_arenas[max(1, len(self._members)):]
+        if self.closed is not None:
+            self._check_committed(self.closed)  # the round no longer waits for its commit
         self.maybe_apply()

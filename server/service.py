@@ -26,8 +26,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FrameError, decode_frame
+from shardps.proto.codec import encode_control
 from shardps.proto.transport import channel_options
+from shardps.server import checks
 from shardps.server.config import ShardConfig
 from shardps.server.errors import InvalidArgument, ShardError, stopped_with
 from shardps.server.store import ShardStore
@@ -49,13 +50,24 @@ async def _round_header(request_iterator: AsyncIterator[bytes], what: str) -> pb
         first = await anext(request_iterator)
     except StopAsyncIteration:
         raise InvalidArgument(f"{what}: empty stream; the first frame must be a round header") from None
-    try:
-        frame = decode_frame(first)
-    except FrameError as exc:
-        raise InvalidArgument(f"{what}: {exc}") from None
+    frame = checks.decode(first, what)
     if frame.round is None:
         raise InvalidArgument(f"{what}: the first frame must be a round header, got a chunk")
     return frame.round
+
+
+async def _commit(request_iterator: AsyncIterator[bytes], timeout: float) -> pb.RoundCommit:
+    """The worker's RoundCommit, the next frame of a PushPull after the report, within ``timeout`` seconds."""
+    try:
+        raw = await asyncio.wait_for(anext(request_iterator), timeout)
+    except StopAsyncIteration:
+        raise InvalidArgument("push: the stream ended before its RoundCommit") from None
+    except TimeoutError:
+        raise InvalidArgument("push: no RoundCommit within the call's deadline") from None
+    frame = checks.decode(raw, "push")
+    if frame.commit is None:
+        raise InvalidArgument("push: after the report, the next frame must be a RoundCommit")
+    return frame.commit
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
@@ -129,7 +141,8 @@ class ShardServicer:
     @_unary
     async def Push(self, request_iterator, context) -> pb.PushReply:
         header = await _round_header(request_iterator, "push")
-        return pb.PushReply(version=await self.store.push(header, request_iterator))
+        await self.store.push(header, request_iterator)
+        return pb.PushReply(version=self.store.version)
 
     @_streaming
     async def Pull(self, request: bytes, context) -> AsyncIterator[bytes]:
@@ -142,11 +155,29 @@ class ShardServicer:
     @_streaming
     async def PushPull(self, request_iterator, context) -> AsyncIterator[bytes]:
         header = await _round_header(request_iterator, "push")
-        await self.store.push(header, request_iterator)
+        if await self.store.push(header, request_iterator, can_commit=True):
+            # a round that clips or scales: report this shard's part, take the worker's decision
+            report = await self.store.wait_report(header.worker_id, header.session, header.round,
+                                                  context.time_remaining())
+            yield encode_control(report=report)
+            remaining = context.time_remaining()
+            timeout = min(remaining, self.store.config.max_wait_seconds) if remaining else \
+                self.store.config.max_wait_seconds
+            self.store.commit(header.worker_id, header.session, await _commit(request_iterator, timeout))
         version = await self.store.wait_version(header.worker_id, header.session, header.round + 1,
                                                 context.time_remaining())
         async for frame in self.store.pull(version, header.pull_dtype):
             yield frame
+
+    @_streaming
+    async def GetState(self, request: bytes, context) -> AsyncIterator[bytes]:
+        for frame in await self.store.get_state(_parse(pb.StateRequest, request, "get_state")):
+            yield frame
+
+    @_unary
+    async def SetState(self, request_iterator, context) -> pb.SetStateReply:
+        header = await _round_header(request_iterator, "set_state")
+        return pb.SetStateReply(version=await self.store.set_state(header, request_iterator))
 
     @_unary
     async def Leave(self, request: bytes, context) -> pb.LeaveReply:

@@ -20,23 +20,20 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-import torch
-
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import TORCH_DTYPES
-from shardps.proto.optim import OptimizerSpecError, check_shardable, parse_hyperparams
-from shardps.proto.plan import PartitionPlan
+from shardps.proto.codec import FLOAT_DTYPES
 from shardps.server import checks
 from shardps.server.checks import shown
-from shardps.server.chunks import ChunkTable
 from shardps.server.config import ShardConfig
 from shardps.server.errors import (
-    Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, stop_call,
+    Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable,
 )
-from shardps.server.job import Job, check_view_for_new_job, new_job_id
+from shardps.server.admission import Admission
+from shardps.server.job import Job
 from shardps.server.membership import Membership
-from shardps.server.optimizer import ShardOptimizer
+from shardps.server.optimizer import ShardOptimizer, StateError
 from shardps.server.rounds import Rounds
+from shardps.server.state import decode_state, encode_state
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +64,6 @@ class _Notifier:
         return True
 
 
-def _hyperparams_without_lr(spec: pb.OptimizerSpec) -> list[dict]:
-    """Each group's checked hyperparameters except ``lr``.
-
-    Raises:
-        InvalidArgument: a malformed hyperparameter (see ``parse_hyperparams``).
-    """
-    try:
-        groups = parse_hyperparams(spec)
-    except OptimizerSpecError as exc:
-        raise InvalidArgument(str(exc)) from None
-    for hp in groups:
-        hp.pop("lr", None)
-    return groups
-
-
 class ShardStore:
     """Parameters and optimizer state of one shard, its job and members; rounds are :class:`Rounds`.
 
@@ -102,12 +84,11 @@ class ShardStore:
         self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
         self._notifier = _Notifier()
         self._closing = False
-        self._job: Job | None = None
-        self._params: dict[int, torch.Tensor] = {}
         self._members = Membership(config.max_workers)
         self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run)
+        self._admission = Admission(config, self._members, self.rounds, self._notifier.notify_all, self._run,
+                                    self._check_open)
         self._waiting = 0
-        self._first_join = asyncio.Lock()
         self._digest: asyncio.Future | None = None  # the Stats digest being computed, shared by callers
         self._push_bytes = 0
         self._pull_bytes = 0
@@ -130,203 +111,41 @@ class ShardStore:
         """Run ``fn(*args)`` on the compute thread; the loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    # ----------------------------------------------------------------- join
-    async def join(self, request: pb.JoinRequest) -> pb.JoinReply:
-        """Admit a worker; the first join fixes the plan, the optimizer and (on shard 0) the job id.
-
-        Every check that can refuse the Join runs before anything changes.
-
-        Raises:
-            InvalidArgument: a malformed id, session, plan or optimizer, or a limit broken.
-            FailedPrecondition: the plan, optimizer or job differs from the shard's.
-            AlreadyExists: the id is a live member of another session.
-            ResourceExhausted: ``max_workers`` members, or the memory budget.
-        """
-        cfg = self.config
-        checks.check_worker_id(request.worker_id, cfg)
-        checks.check_session(request.session)
-        self._check_open()
-        if len(request.optimizer.group_hyperparams_json) > cfg.max_groups:
-            raise InvalidArgument(
-                f"the optimizer has {len(request.optimizer.group_hyperparams_json)} param groups; "
-                f"this shard accepts at most {cfg.max_groups}"
-            )
-        hyperparams = _hyperparams_without_lr(request.optimizer)
-        if cfg.shard_index > 0 and not request.job.job_id:
-            raise InvalidArgument(
-                f"joining shard {cfg.shard_index} needs shard 0's job view: join shard 0 first (the worker library does)"
-            )
-        if self._job is None:
-            async with self._first_join:  # Joins that arrive together build the job once
-                if self._job is None:
-                    await self._new_job(request, hyperparams)
-        job = self._job
-        job.check_same_job(request, hyperparams)
-        if cfg.shard_index > 0:
-            job.check_view(request.job, cfg.shard_index, self.version)
-        if request.worker_id not in self._members:
-            checks.check_memory(job.table.numel, job.state_buffers, len(self._members) + 1, cfg)
-        member, is_new = self._members.admit(request.worker_id, request.session)
-        # Past every refusal: only now may the Join change the job.
-        if cfg.shard_index > 0 and job.adopt_initialiser(request.job):
-            self._arm_expiry(job)
-        if cfg.shard_index == 0 and job.initialiser is None and not job.initialised:
-            job.designate(member.worker_id)
-            self._arm_expiry(job)
-        initialise = not job.initialised and job.initialiser == member.worker_id
-        if is_new:
-            log.info("shard %d: worker %s joined (%d members)", cfg.shard_index, shown(member.worker_id),
-                     len(self._members))
-        return pb.JoinReply(
-            initialise=initialise, version=self.version, members=len(self._members),
-            shard_index=cfg.shard_index, job=job.view(self.version),
-        )
-
-    async def _new_job(self, request: pb.JoinRequest, hyperparams: list[dict]) -> Job:
-        """Check a first joiner's plan and optimizer against the limits, build them off the loop, fix the job."""
-        cfg = self.config
-        try:
-            check_shardable(request.optimizer.class_name)
-        except OptimizerSpecError as exc:
-            raise InvalidArgument(str(exc)) from None
-        num_groups = len(request.optimizer.group_hyperparams_json)
-        elements = checks.check_plan_spec(request.plan, num_groups, cfg)
-        checks.check_memory(elements, 0, 1, cfg)
-        try:  # O(keys): a plan that does not match its fingerprint is refused before it is built
-            fingerprint = PartitionPlan.fingerprint_of_proto(request.plan)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        if fingerprint != request.plan_fingerprint:
-            raise InvalidArgument(
-                f"plan fingerprint {shown(request.plan_fingerprint)} does not match the plan sent "
-                f"({fingerprint!r}); worker and shard run different shardps versions"
-            )
-        if cfg.shard_index > 0:
-            check_view_for_new_job(request.job, cfg.shard_index)
-
-        def build() -> Job:  # on the compute thread: O(chunks) and one trial step
-            try:
-                plan = PartitionPlan.from_proto(request.plan)
-                state_buffers = ShardOptimizer.trial(request.optimizer)
-            except ValueError as exc:  # OptimizerSpecError is a ValueError
-                raise InvalidArgument(str(exc)) from None
-            return Job(
-                table=ChunkTable(plan, cfg.shard_index), plan_bytes=request.plan.SerializeToString(deterministic=True),
-                spec=request.optimizer, hyperparams=hyperparams, num_groups=num_groups, state_buffers=state_buffers,
-            )
-
-        job = await self._run(build)
-        checks.check_memory(job.table.numel, job.state_buffers, 1, cfg)
-        self._check_open()
-        if cfg.shard_index > 0:
-            check_view_for_new_job(request.job, cfg.shard_index)
-        job.job_id = new_job_id() if cfg.shard_index == 0 else request.job.job_id
-        self._job = job
-        log.info("shard %d: job %s, plan %s, %d chunks, %d elements, optimizer %s", cfg.shard_index, job.job_id,
-                 job.fingerprint, len(job.table.chunks), job.table.numel, job.spec.class_name)
-        return job
-
-    def _arm_expiry(self, job: Job) -> None:
-        """(Re)start the timer that frees the initialiser role after ``init_timeout_seconds``.
-
-        Not while the initialiser's Init stream is being received: the timeout
-        bounds a worker that never starts (or never finishes) sending, not a
-        large model arriving on a slow link.
-        """
-        if job.expiry is not None:
-            job.expiry.cancel()
-            job.expiry = None
-        if job.initialiser is None or job.initialised or job.init_streaming is not None:
-            return
-        worker = job.initialiser
-
-        def expire() -> None:
-            if self._job is job and job.init_streaming is None and job.lose_initialiser(worker):
-                log.warning("shard %d: worker %s did not complete Init within %.0fs; the next Join initialises",
-                            self.config.shard_index, shown(worker), self.config.init_timeout_seconds)
-                self._notifier.notify_all()
-
-        job.expiry = asyncio.get_running_loop().call_later(self.config.init_timeout_seconds, expire)
-
     def _check_open(self) -> None:
         if self._closing:
             raise Unavailable(f"shard {self.config.shard_index} is shutting down")
 
+    @property
+    def _job(self) -> Job | None:
+        return self._admission.job
+
     def _require_job(self, fingerprint: str) -> Job:
-        job = self._job
-        if job is None:
-            raise FailedPrecondition("no worker has joined this shard yet: call Join first")
-        if fingerprint != job.fingerprint:
-            raise FailedPrecondition(
-                f"partition plan fingerprint {shown(fingerprint)} differs from this shard's {job.fingerprint!r}: "
-                "every worker must use the same model, parameter names, param groups, number of shards and chunk_bytes"
-            )
-        return job
+        return self._admission.require_job(fingerprint)
 
-    # ----------------------------------------------------------------- init
+    async def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+        """Admit a worker (see ``Admission.join``)."""
+        return await self._admission.join(request)
+
     async def init(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
-        """Receive the initial parameters from the worker that Join named initialiser.
-
-        One Init stream at a time. The check is made before the stream is read
-        and again when it ends, so an Init that finishes after another one (or
-        after the role passed on) is refused and changes nothing.
-
-        Raises:
-            FailedPrecondition: not the initialiser, already initialised, plan mismatch.
-            Aborted: another Init stream is being received.
-            InvalidArgument: a bad, missing or non-finite chunk (the shard stays uninitialised).
-        """
-        checks.check_round_header(header, self.config)
-        self._check_open()
-        job = self._require_job(header.plan_fingerprint)
-        member = self._members.get(header.worker_id, header.session)
-
-        def check() -> None:
-            self._check_open()
-            if self._job is not job or self._members.find(member.worker_id) is not member:
-                raise FailedPrecondition("the job or the member changed while this Init was read; join again")
-            if job.initialised or job.initialiser != member.worker_id:
-                raise FailedPrecondition(
-                    f"worker {shown(member.worker_id)} may not initialise this shard (initialised={job.initialised}, "
-                    f"initialiser {shown(job.initialiser or job.initialised_by)}); pull the parameters instead"
-                )
-
-        check()
-        if job.init_streaming is not None:
-            raise Aborted("another Init stream of this shard is being received")
-        job.init_streaming = asyncio.current_task()
-        self._arm_expiry(job)  # paused while the stream is read
-        try:
-            staged = job.table.allocate()  # all-or-nothing: these become the parameters only if every chunk is good
-            rx = job.table.receiver(0, staged, what="init", reject_nonfinite=True)
-            async for raw in frames:
-                rx.add(raw)
-            received = rx.finish()
-            try:
-                optimizer = await self._run(ShardOptimizer, job.spec, staged)
-            except OptimizerSpecError as exc:
-                raise InvalidArgument(str(exc)) from None
-            check()
-        finally:
-            job.init_streaming = None
-            self._arm_expiry(job)  # re-armed if the stream failed
-        self._params = staged
-        self.rounds.start(job.table, optimizer)
-        job.initialised, job.initialised_by, job.initialiser = True, member.worker_id, None
-        self._arm_expiry(job)
-        self._push_bytes += received
-        log.info("shard %d: initialised by worker %s", self.config.shard_index, shown(member.worker_id))
-        self._notifier.notify_all()
+        """Receive the initial parameters (see ``Admission.init``); returns the version."""
+        self._push_bytes += await self._admission.init(header, frames)
         return self.version
 
     # ----------------------------------------------------------------- push
-    async def push(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
-        """Accept one worker's gradients for round ``header.round``; apply the round if it is complete.
+    async def push(self, header: pb.RoundHeader, frames: AsyncIterator[bytes], *, can_commit: bool = False) -> bool:
+        """Accept one worker's push of round ``header.round``; apply the round if it is complete.
 
-        Every field of the header is checked before any frame is read.
-        Idempotent: a second push of a round already accepted from this worker
-        is ignored. Returns the shard version after the push (the last pusher
-        of a round waits for the round to be applied).
+        Every field of the header is checked before any frame is read, every
+        field of the trailer before the push is accepted. Idempotent: a second
+        push of a round already accepted from this worker is ignored. The last
+        pusher of a round waits for the round to be applied, unless the round
+        needs commits (then the caller exchanges report and commit first).
+
+        Args:
+            can_commit: the caller can run the report/commit exchange (PushPull).
+
+        Returns:
+            True if this round needs the report/commit exchange.
 
         Raises:
             FailedPrecondition: not a member (of this session), not initialised, plan
@@ -341,10 +160,41 @@ class ShardStore:
         member = self._members.get(header.worker_id, header.session)
         if not job.initialised:
             raise FailedPrecondition("this shard has not been initialised yet: pull version 0 first")
-        if len(header.lrs) != job.num_groups:
-            raise InvalidArgument(f"push carries {len(header.lrs)} learning rates for {job.num_groups} param group(s)")
-        self._push_bytes += await self.rounds.push(member, header, frames)
-        return self.version
+        received, needs_commit = await self.rounds.push(member, header, frames, can_commit=can_commit)
+        self._push_bytes += received
+        return needs_commit
+
+    async def wait_report(self, worker_id: str, session: str, round_: int, timeout: float | None) -> pb.RoundReport:
+        """Wait until round ``round_`` (which this member pushed) is averaged; its report for this member.
+
+        Raises:
+            FailedPrecondition: not a member of this session.
+            InvalidArgument, Unavailable: the round was refused (its error).
+            DeadlineExceeded: the round did not close in time.
+        """
+        member = self._members.get(worker_id, session)
+        limit = self.config.max_wait_seconds if timeout is None else min(timeout, self.config.max_wait_seconds)
+
+        def report() -> pb.RoundReport | None:
+            closed = self.rounds.closed
+            if closed is not None and closed.number == round_ and closed.report is not None:
+                return closed.report
+            return None
+
+        await self._notifier.wait_for(
+            lambda: self._closing or report() is not None or (member.failed is not None and member.failed[0] == round_),
+            limit,
+        )
+        self._check_open()
+        if member.failed is not None and member.failed[0] == round_:
+            raise member.failed[1]
+        if report() is None:
+            raise DeadlineExceeded(f"round {round_} was not averaged within {limit:.1f}s")
+        return report()
+
+    def commit(self, worker_id: str, session: str, commit: pb.RoundCommit) -> None:
+        """Record a member's commit of the round waiting for commits (see ``Rounds.commit``)."""
+        self.rounds.commit(self._members.get(worker_id, session), commit)
 
     # ----------------------------------------------------------------- pull
     async def wait_version(self, worker_id: str, session: str, min_version: int, timeout: float | None) -> int:
@@ -417,7 +267,7 @@ class ShardStore:
             Unavailable: the shard is shutting down.
         """
         checks.check_dtype(dtype_code, "pull dtype")
-        dtype = TORCH_DTYPES[dtype_code or pb.FLOAT32]
+        dtype = FLOAT_DTYPES[dtype_code or pb.FLOAT32]
         job, rounds = self._job, self.rounds
 
         def check() -> None:
@@ -425,7 +275,7 @@ class ShardStore:
             if rounds.version != version or rounds.applying or self._job is not job:
                 raise Aborted(f"shard moved on from version {version} during the pull; pull again")
 
-        return self._stream(job.table.frames(self._params, version, dtype, check))
+        return self._stream(job.table.frames(rounds.params, rounds.buffers, version, dtype, check))
 
     async def _stream(self, frames) -> AsyncIterator[bytes]:
         sent = 0
@@ -448,6 +298,59 @@ class ShardStore:
         self._require_job(request.plan_fingerprint)
         self._members.get(request.worker_id, request.session)
 
+    # ----------------------------------------------------------------- optimizer state
+    async def get_state(self, request: pb.StateRequest) -> list[bytes]:
+        """The optimizer state of this shard's keys, as frames (``server/state.py``), read between rounds.
+
+        Raises:
+            InvalidArgument, FailedPrecondition: not a member of this session, plan mismatch, not initialised.
+        """
+        self._check_member_call(request.worker_id, request.session, request.plan_fingerprint)
+        await self._notifier.wait_for(lambda: not self.rounds.applying, self.config.max_wait_seconds)
+        return await self._run(encode_state, self._job.table, self.rounds.optimizer, self.version)
+
+    async def set_state(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
+        """Replace the optimizer state of this shard's keys, all or nothing; returns the version.
+
+        The state changes only between rounds (no push of the open round
+        accepted yet); a state equal to the current one is accepted any time,
+        so every worker of a job may load the same checkpoint.
+
+        Raises:
+            InvalidArgument: malformed or incomplete frames, entries the optimizer does not keep.
+            FailedPrecondition: not a member, plan mismatch, not initialised.
+            Aborted: a round is in progress and the state differs.
+        """
+        checks.check_round_header(header, self.config)
+        self._check_member_call(header.worker_id, header.session, header.plan_fingerprint)
+        decoded = []
+        async for raw in frames:
+            frame = checks.decode(raw, "set_state")
+            if frame.header is None:
+                raise InvalidArgument("set_state: only state chunks may follow the round header")
+            decoded.append(frame)
+        table, optimizer = self._job.table, self.rounds.optimizer
+        try:
+            states = await self._run(decode_state, table, optimizer, decoded)
+            if self.rounds.applying or self.rounds.pushed:
+                if await self._run(optimizer.load_state, states, True):  # only compare
+                    raise Aborted("a round is in progress: load optimizer state between rounds (before pushing)")
+                return self.version
+            await self._run(optimizer.load_state, states)
+        except StateError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self.rounds.state_bytes = optimizer.state_bytes()
+        return self.version
+
+    def _check_member_call(self, worker_id: str, session: str, fingerprint: str) -> None:
+        checks.check_worker_id(worker_id, self.config)
+        checks.check_session(session)
+        self._check_open()
+        job = self._require_job(fingerprint)
+        self._members.get(worker_id, session)
+        if not job.initialised:
+            raise FailedPrecondition("this shard has not been initialised yet")
+
     # ----------------------------------------------------------------- leave, stats, close
     def leave(self, request: pb.LeaveRequest) -> int:
         """Remove a member (of this session); rounds stop waiting for it. Returns the members left.
@@ -467,18 +370,7 @@ class ShardStore:
             return len(self._members)
         log.info("shard %d: worker %s left (%d members)", self.config.shard_index, shown(member.worker_id),
                  len(self._members))
-        job = self._job
-        if job is not None and job.lose_initialiser(member.worker_id):
-            if job.init_streaming is not None:  # its Init stream would only be refused at the end
-                stop_call(job.init_streaming, Aborted(f"worker {shown(member.worker_id)} left during its Init"))
-            self._arm_expiry(job)
-        if job is not None and not job.initialised and not len(self._members):
-            if job.expiry is not None:
-                job.expiry.cancel()
-            self._job = None
-            self.rounds.forget()
-            log.info("shard %d: the last member left before initialisation; job %s forgotten",
-                     self.config.shard_index, job.job_id)
+        self._admission.left(member)
         self.rounds.drop(member)
         self._notifier.notify_all()
         return len(self._members)
@@ -522,6 +414,7 @@ class ShardStore:
             waiting=self._waiting,
             max_workers=self.config.max_workers,
             digest=digest,
+            rounds_skipped=self.rounds.skipped,
         )
 
     def close(self) -> None:

@@ -60,6 +60,13 @@ class _Process(_CONTEXT.Process):
         return _Popen(process_obj)
 
 
+def start_process(target, args: tuple = ()) -> multiprocessing.Process:
+    """Start ``target(*args)`` (a module-level function) in a process forked from the preloaded forkserver."""
+    process = _Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
 class _LinesTo(io.TextIOBase):
     """A text stream that sends each write over a multiprocessing connection (the child's stdout)."""
 

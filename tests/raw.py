@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_chunk, encode_round
+from shardps.proto.codec import encode_chunk, encode_control, encode_round
 from shardps.proto.optim import optimizer_spec
 from shardps.proto.plan import PartitionPlan, keys_from_named_parameters
 from shardps.worker.client import ShardClient
@@ -41,15 +41,16 @@ class RawWorker:
             setattr(request, k, v)
         return self.client.join(request)
 
-    def header(self, round_: int = 0, lrs: list[float] | None = None, **overrides) -> pb.RoundHeader:
-        h = pb.RoundHeader(
-            worker_id=self.worker_id, session=self.session, round=round_,
-            lrs=[0.1] * len(self.spec.group_hyperparams_json) if lrs is None else lrs,
-            plan_fingerprint=self.plan.fingerprint,
-        )
+    def header(self, round_: int = 0, **overrides) -> pb.RoundHeader:
+        h = pb.RoundHeader(worker_id=self.worker_id, session=self.session, round=round_,
+                           plan_fingerprint=self.plan.fingerprint)
         for k, v in overrides.items():
             setattr(h, k, v)
         return h
+
+    def trailer(self, lrs: list[float] | None = None, **fields) -> pb.RoundTrailer:
+        """A push's trailer: ``lrs`` (0.1 for every group by default) and any other RoundTrailer field."""
+        return pb.RoundTrailer(lrs=[0.1] * len(self.spec.group_hyperparams_json) if lrs is None else lrs, **fields)
 
     def chunks(self, shard: int, fill: float | torch.Tensor | None = None, params=None) -> list[bytes]:
         """Chunk payloads for ``shard``: ``fill`` everywhere, or slices of ``params`` ({key: tensor})."""
@@ -62,16 +63,23 @@ class RawWorker:
             out.append((c.key, c.offset, values))
         return out
 
-    def frames(self, header: pb.RoundHeader, chunks, version: int | None = None) -> Iterator[bytes]:
+    def frames(self, header: pb.RoundHeader, chunks, version: int | None = None,
+               trailer: pb.RoundTrailer | None = None) -> Iterator[bytes]:
+        """The round header, the chunks, and (pushes) the trailer."""
         yield encode_round(header)
         for key, offset, values in chunks:
             yield encode_chunk(key, offset, values, header.round if version is None else version)
+        if trailer is not None:
+            yield encode_control(trailer=trailer)
 
     def init(self, shard: int, params) -> pb.InitReply:
         return self.client.init(self.frames(self.header(), self.chunks(shard, params=params), version=0))
 
-    def push(self, shard: int, fill: float = 0.5, round_: int = 0, **header) -> pb.PushReply:
-        return self.client.push(self.frames(self.header(round_, **header), self.chunks(shard, fill)))
+    def push(self, shard: int, fill: float = 0.5, round_: int = 0, lrs: list[float] | None = None,
+             trailer: dict | None = None, **header) -> pb.PushReply:
+        """Push ``fill`` everywhere as the gradient of ``round_`` (then the trailer: ``lrs`` and ``trailer`` fields)."""
+        return self.client.push(self.frames(self.header(round_, **header), self.chunks(shard, fill),
+                                            trailer=self.trailer(lrs, **(trailer or {}))))
 
     def pull(self, min_version: int = 0, **overrides) -> bytes:
         request = pb.PullRequest(
@@ -92,8 +100,8 @@ class RawWorker:
 def plan_and_spec(model: torch.nn.Module, optimizer: torch.optim.Optimizer, num_shards: int = 1,
                   chunk_bytes: int = 256) -> tuple[PartitionPlan, pb.OptimizerSpec]:
     named = list(model.named_parameters())
-    plan = PartitionPlan.build(keys_from_named_parameters(named, optimizer.param_groups), num_shards=num_shards,
-                               chunk_bytes=chunk_bytes)
+    keys, _ = keys_from_named_parameters(named, optimizer.param_groups)
+    plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=chunk_bytes)
     return plan, optimizer_spec(optimizer)
 
 

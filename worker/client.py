@@ -53,6 +53,8 @@ class ShardClient:
         self._push = self.channel.stream_unary(path + "Push", response_deserializer=pb.PushReply.FromString)
         self._pull = self.channel.unary_stream(path + "Pull", request_serializer=pb.PullRequest.SerializeToString)
         self._push_pull = self.channel.stream_stream(path + "PushPull")
+        self._get_state = self.channel.unary_stream(path + "GetState", request_serializer=pb.StateRequest.SerializeToString)
+        self._set_state = self.channel.stream_unary(path + "SetState", response_deserializer=pb.SetStateReply.FromString)
 
     def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
         """Wrap a gRPC error of call ``what`` with this shard's index and address."""
@@ -91,6 +93,14 @@ class ShardClient:
     def push_pull(self, frames):
         """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames."""
         return self._push_pull(frames, timeout=self.rpc_timeout)
+
+    def get_state(self, request: pb.StateRequest):
+        """Start reading the shard's optimizer state; iterate the call for raw frames (grpc.RpcError on failure)."""
+        return self._get_state(request, timeout=self.rpc_timeout)
+
+    def set_state(self, frames) -> pb.SetStateReply:
+        """Replace the shard's optimizer state (encoded frames, round header first)."""
+        return self._unary("set_state", self._set_state, frames)
 
     def close(self) -> None:
         self.channel.close()

@@ -37,6 +37,7 @@ class JoinPlan:
     plan: pb.PlanSpec
     fingerprint: str
     optimizer: pb.OptimizerSpec
+    static_digest: str = ""
 
 
 def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
@@ -94,7 +95,7 @@ def join_job(
     def request(view: pb.JobView | None) -> pb.JoinRequest:
         return pb.JoinRequest(
             worker_id=join.worker_id, session=join.session, plan=join.plan, plan_fingerprint=join.fingerprint,
-            optimizer=join.optimizer, job=view,
+            optimizer=join.optimizer, job=view, static_digest=join.static_digest,
         )
 
     for attempt in range(JOIN_ATTEMPTS):

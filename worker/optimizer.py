@@ -5,7 +5,11 @@ Balso, "Horovod", 2018; Jiang et al., "BytePS", OSDI 2020): gradient hooks
 start the communication while backward still runs, ``synchronize()`` waits
 for it, and ``step()`` leaves the parameters updated in place. Unlike them,
 the update itself runs on the shards, which hold the optimizer state (the
-local optimizer never allocates any).
+local optimizer never allocates any), and everything the user can change
+between ``backward()`` and ``step()`` is part of the round: clipping and
+loss scaling act on the averaged gradient through the wrapper, learning
+rates and every other hyperparameter are read at ``step()``, and a gradient
+edited after its push started is an error instead of a race.
 
 Each step opens one PushPull stream per shard (``shardps.worker.rounds``);
 joining and initialising the shards follows ``shardps.worker.join``.
@@ -18,21 +22,24 @@ import math
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import TORCH_DTYPES, wire_dtype
+from shardps.proto.codec import FLOAT_DTYPES, wire_dtype
 from shardps.proto.optim import current_lrs, optimizer_spec
 from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
+from shardps.worker import state as optimizer_state
 from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.commit import RoundOptions, decide, record_found_inf
 from shardps.worker.join import JoinPlan, join_job
+from shardps.worker.overlap import ForwardWaits
 from shardps.worker.rounds import ParameterSink, Round, init_requests, push_requests
+from shardps.worker.tensors import HyperparamChanges, buffer_infos, static_digest
 
 log = logging.getLogger(__name__)
 
@@ -44,33 +51,55 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+class GradientEditedError(RuntimeError):
+    """A gradient changed after its push to the shards started (the shards would get a mix of both)."""
+
+
 class DistributedOptimizer:
-    """Run ``optimizer``'s updates on the shards, synchronously (BSP).
+    """Run ``optimizer``'s updates on the shards, synchronously (BSP), with torch.optim's semantics.
 
     Args:
         optimizer: a ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad or
-            RMSprop) built over the model's parameters. Its class, param-group
-            hyperparameters and current ``lr`` (so LR schedulers attached to it
-            work unchanged) are sent to the shards; its own ``step`` is never
-            called and it never allocates state.
+            RMSprop). Its class and param groups go to the shards; every
+            hyperparameter is read at each ``step()`` (LR schedulers, OneCycleLR's
+            momentum, edits by hand all work); its own ``step`` is never called and
+            it never allocates state. Its ``state_dict``/``load_state_dict`` are
+            this wrapper's (the state lives on the shards).
         named_parameters: ``model.named_parameters()``; the names are the keys.
+            Parameters not in ``optimizer`` are never sent nor touched; every worker
+            must hold the same values for them (the shards compare a digest).
         servers: shard addresses ``host:port``, in shard-index order.
         worker_id: stable id of this worker (default: host-pid-random), 1 to 256
             printable characters. Two live processes may not share one: the
             second is refused with ALREADY_EXISTS. The process is told apart by
             ``session``, a random token made here and sent with every call.
-        chunk_bytes: largest chunk in bytes of fp32 (default 1 MiB); every worker
-            of a job must use the same value.
+        chunk_bytes: largest chunk in bytes (default 1 MiB); the same on every worker.
         push_dtype, pull_dtype: wire types of gradients and parameters
             (``"fp32"``, ``"bf16"`` or ``"fp16"``); shards keep fp32 master weights.
         backward_passes_per_step: backward calls accumulated before gradients are pushed.
-        model: the module that owns the parameters. When given, ``step()``
-            returns as soon as the gradients are handed to the network, the new
-            parameters stream in while the next forward runs, and a forward
-            pre-hook on each submodule waits for that submodule's own
-            parameters (BytePS-style priority: shards send chunks in
-            ``named_parameters`` order, first layers first). Read parameters
-            outside ``model``'s forward only after ``synchronize()``.
+        model: the module that owns the parameters. When given, its buffers are
+            synchronised (see ``broadcast_buffers``) and ``step()`` returns as
+            soon as the gradients are handed to the network: the new parameters
+            stream in while the next forward runs, each submodule waiting for
+            its own. Read parameters outside ``model``'s forward only after
+            ``synchronize()``.
+        named_buffers: the buffers to synchronise when ``model`` is not given
+            (``model.named_buffers()``).
+        broadcast_buffers: before every forward, every worker holds the lowest
+            worker id's buffers of the previous step, as DDP's
+            ``broadcast_buffers=True`` (default) gives every rank rank 0's.
+        max_grad_norm: clip the averaged gradient to this total norm over the
+            whole model before the update, exactly as ``clip_grad_norm_`` after
+            DDP's averaging (do not call ``clip_grad_norm_`` yourself). The norm of
+            each step is ``last_grad_norm``.
+        norm_type: the norm's order for ``max_grad_norm`` (2.0; ``inf`` allowed).
+        grad_scaler: the ``torch.amp.GradScaler`` whose scaled loss you backward.
+            The shards unscale the averaged gradient, skip the update on every
+            shard if it is not finite, and ``scaler.update()`` sees the same
+            verdict on every worker. Call ``dist.step()``, not ``scaler.step``.
+        push_during_backward: push each gradient from its hook while backward
+            runs (default). With False, everything is pushed at ``step()``, so
+            gradients may be edited freely in between (no overlap).
         checksum: send a CRC-32 with every gradient chunk.
         rpc_timeout: deadline of every call in seconds.
         connect_timeout: how long to wait for each shard to answer, seconds.
@@ -97,6 +126,12 @@ class DistributedOptimizer:
         pull_dtype: str = "fp32",
         backward_passes_per_step: int = 1,
         model: torch.nn.Module | None = None,
+        named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
+        broadcast_buffers: bool = True,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        push_during_backward: bool = True,
         checksum: bool = False,
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
@@ -110,29 +145,35 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if chunk_bytes + (64 << 10) > max_message_bytes:
             raise ValueError(f"chunk_bytes {chunk_bytes} does not fit in max_message_bytes {max_message_bytes}")
+        self._options = RoundOptions(max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scaler=grad_scaler)
         named = list(named_parameters)
         for name, p in named:
             if not p.is_floating_point() or not p.is_contiguous():
                 raise ValueError(f"parameter {name!r} must be a contiguous floating-point tensor")
         self._optimizer = optimizer
         self._spec = optimizer_spec(optimizer)
-        self.plan = PartitionPlan.build(
-            keys_from_named_parameters(named, optimizer.param_groups), num_shards=len(servers), chunk_bytes=chunk_bytes
-        )
+        keys, outside = keys_from_named_parameters(named, optimizer.param_groups)
+        if broadcast_buffers and named_buffers is None and model is not None:
+            named_buffers = model.named_buffers()
+        buffers, self._buffers = buffer_infos(named_buffers if broadcast_buffers and named_buffers is not None else ())
+        self.plan = PartitionPlan.build(keys, num_shards=len(servers), chunk_bytes=chunk_bytes, buffers=buffers)
         self.worker_id = worker_id or default_worker_id()
         self.session = uuid.uuid4().hex
-        self._push_dtype = TORCH_DTYPES[wire_dtype(push_dtype)]
+        self._push_dtype = FLOAT_DTYPES[wire_dtype(push_dtype)]
         self._pull_code = wire_dtype(pull_dtype)
         self._passes = backward_passes_per_step
         self._checksum = checksum
-        self._params = dict(named)
-        self._key_of = {id(p): name for name, p in named}
+        named_map = dict(named)
+        self._params = {k.key: named_map[k.key] for k in keys}
+        self._index = {k.key: i for i, k in enumerate(keys)}
+        self._key_of = {id(p): name for name, p in self._params.items()}
         self._chunks_of: dict[str, list[Chunk]] = {}
-        for c in self.plan.chunks:
+        for c in (*self.plan.chunks, *self.plan.buffer_chunks):
             self._chunks_of.setdefault(c.key, []).append(c)
-        self._sink = ParameterSink(self.plan, self._params)
+        self._sink = ParameterSink(self.plan, self._params, self._buffers)
         self._counts = dict.fromkeys(self._params, 0)
         self._chunk_counts = {key: len(chunks) for key, chunks in self._chunks_of.items()}
+        self._hyperparams = HyperparamChanges(optimizer)
         self._round: Round | None = None  # the round being pushed
         self._pulling: Round | None = None  # the round whose parameters are still arriving
         self._rpc_timeout = rpc_timeout
@@ -141,34 +182,41 @@ class DistributedOptimizer:
         self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
         self._clients: list[ShardClient] = []
         self._hooks = []
+        self._waits: ForwardWaits | None = None
+        self._routed: dict | None = None  # the wrapped optimizer's methods while they are routed here
         self.versions: list[int] = [0] * len(servers)
+        self.last_grad_norm = math.nan
+        self.last_step_skipped = False
         try:
-            self._clients = list(
-                self._pool.map(
-                    lambda ia: ShardClient(
-                        ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
-                        max_message_bytes=max_message_bytes,
-                    ),
-                    enumerate(servers),
-                )
-            )
+            self._clients = list(self._pool.map(
+                lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
+                                       max_message_bytes=max_message_bytes),
+                enumerate(servers),
+            ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
-                            fingerprint=self.plan.fingerprint, optimizer=self._spec)
+                            fingerprint=self.plan.fingerprint, optimizer=self._spec,
+                            static_digest=static_digest(named_map, outside))
             self.versions = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
         except BaseException:
             self.close()
             raise
-        for p in self._params.values():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._overlap = model is not None
+        if push_during_backward:
+            for p in self._params.values():
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if model is not None:
-            self._register_forward_waits(model)
+            tensors = {id(t): k for k, t in (*self._params.items(), *self._buffers.items())}
+            self._waits = ForwardWaits(model, tensors, lambda: self._pulling, self._finish_pull, rpc_timeout)
+        self._routed = optimizer_state.redirect(optimizer, self.state_dict, self.load_state_dict)
 
     # ------------------------------------------------------------ joining
+    def _header(self, round_: int = 0) -> pb.RoundHeader:
+        return pb.RoundHeader(worker_id=self.worker_id, session=self.session, round=round_,
+                              plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
+                              scaled=self._options.scaled)
+
     def _init_frames(self, shard: int):
-        header = pb.RoundHeader(worker_id=self.worker_id, session=self.session, plan_fingerprint=self.plan.fingerprint)
-        return init_requests(header, self.plan, shard, self._params)
+        return init_requests(self._header(), self.plan, shard, self._params, self._buffers)
 
     def _initial_pull(self, shard: int, calls: list) -> int:
         client = self._clients[shard]
@@ -179,55 +227,6 @@ class DistributedOptimizer:
         calls.append(call)
         return self._sink.receive(client, call, 0, "pull")
 
-    def _register_forward_waits(self, model: torch.nn.Module) -> None:
-        """Pre-hook every submodule of ``model``; see :meth:`_learn_wait_keys`."""
-        self._model_root = model
-        self._called: set[int] = set()
-        self._wait_keys: dict[int, list[str]] | None = None
-        for module in model.modules():
-            self._hooks.append(module.register_forward_pre_hook(self._forward_wait))
-
-    def _learn_wait_keys(self) -> None:
-        """Give each parameter to the nearest module around it whose forward ran in the first step.
-
-        Some modules read a child's parameters without calling the child
-        (``nn.MultiheadAttention`` uses ``out_proj.weight`` directly), so a
-        parameter is waited for by its own module only if that module's
-        forward runs; otherwise by the nearest ancestor whose forward does.
-        The first forward, before anything is learned, waits for the whole pull.
-        """
-        ours = {id(p): key for key, p in self._params.items()}
-        keys: dict[int, list[str]] = {}
-
-        def assign(module: torch.nn.Module, owner: torch.nn.Module) -> None:
-            if id(module) in self._called:
-                owner = module
-            for p in module.parameters(recurse=False):
-                if id(p) in ours:
-                    keys.setdefault(id(owner), []).append(ours[id(p)])
-            for child in module.children():
-                assign(child, owner)
-
-        assign(self._model_root, self._model_root)
-        self._wait_keys = keys
-
-    def _forward_wait(self, module: torch.nn.Module, args) -> None:
-        if self._wait_keys is None:
-            self._called.add(id(module))
-        rnd = self._pulling
-        if rnd is None:
-            return
-        if self._wait_keys is None:
-            self._finish_pull()  # nothing learned yet: wait for every parameter
-            return
-        deadline = time.monotonic() + self._rpc_timeout
-        for key in self._wait_keys.get(id(module), ()):
-            event = rnd.ready.get(key)  # None for an empty parameter: nothing to wait for
-            while event is not None and not event.wait(0.05):  # blocking wait for this module's chunks
-                if rnd.failed() is not None or time.monotonic() > deadline:
-                    self._finish_pull()  # raises the pull's error
-                    raise TimeoutError(f"parameters of {key!r} did not arrive within {self._rpc_timeout:.0f}s")
-
     # ------------------------------------------------------------ pushing
     def _open_round(self) -> Round:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
@@ -235,27 +234,23 @@ class DistributedOptimizer:
             self._finish_pull()  # blocking wait, normally a no-op: the forward already waited
             if self._diverged:
                 raise RuntimeError(self._diverged)
-            lrs = current_lrs(self._optimizer)
-            bad = [(g, lr) for g, lr in enumerate(lrs) if not (math.isfinite(lr) and lr >= 0)]
-            if bad:
-                raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
-            rnd = Round(len(self._clients), self._chunk_counts)
+            rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
             for shard, client in enumerate(self._clients):
-                header = pb.RoundHeader(
-                    worker_id=self.worker_id, session=self.session, round=self.versions[shard], lrs=lrs,
-                    plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
-                )
-                requests = push_requests(header, rnd.queues[shard], rnd.sent[shard], self._push_dtype, self._checksum)
+                requests = push_requests(self._header(self.versions[shard]), rnd.queues[shard], rnd.sent[shard],
+                                         self._push_dtype, self._checksum, rnd, self._rpc_timeout)
                 rnd.calls.append(client.push_pull(requests))
             self._round = rnd
         return self._round
 
-    def _enqueue(self, rnd: Round, key: str, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            grad = torch.zeros_like(self._params[key])
+    def _decide(self, reports: list[pb.RoundReport]) -> pb.RoundCommit:
+        commit, self.last_grad_norm = decide(reports, self._options, reports[0].round)
+        return commit
+
+    def _enqueue(self, rnd: Round, key: str, grad: torch.Tensor) -> None:
+        rnd.sources[key] = (grad, grad._version)
         flat = grad.detach().reshape(-1)
         for c in self._chunks_of.get(key, ()):
-            rnd.queues[c.shard].put((c, flat[c.offset : c.offset + c.numel]))
+            rnd.queues[c.shard].put(("grad", c, flat[c.offset : c.offset + c.numel]))
         rnd.pushed.add(key)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -271,6 +266,97 @@ class DistributedOptimizer:
                     f"{self._passes} backward pass(es), or raise backward_passes_per_step"
                 )
             self._enqueue(rnd, key, param.grad)
+
+    def _check_edits(self, rnd: Round) -> None:
+        """Raise if a gradient pushed from its hook changed afterwards (the push would carry part of each)."""
+        key = rnd.edited(self._params)
+        if key is not None:
+            for call in rnd.calls:
+                call.cancel()
+            self._round, self._counts = None, dict.fromkeys(self._counts, 0)
+            raise GradientEditedError(
+                f"the gradient of {key!r} changed after its push to the shards started: for clipping pass "
+                "max_grad_norm=... to DistributedOptimizer instead of calling clip_grad_norm_; with a "
+                "GradScaler pass grad_scaler=scaler and call dist.step() (not scaler.unscale_ or scaler.step); "
+                "for other edits between backward() and step(), pass push_during_backward=False"
+            )
+
+    def _start_pull(self) -> None:
+        """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
+        lrs = current_lrs(self._optimizer)
+        bad = [(g, lr) for g, lr in enumerate(lrs) if not (math.isfinite(lr) and lr >= 0)]
+        if bad:
+            raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
+        with self._lock:
+            rnd = self._open_round()
+            self._check_edits(rnd)
+            rnd.sources.clear()  # the queues hold what is still to be sent; old gradients may be freed
+            absent = []
+            for key, p in self._params.items():
+                if key not in rnd.pushed:
+                    if p.grad is None:
+                        absent.append(self._index[key])  # torch.optim skips it; so do the shards
+                    else:
+                        self._enqueue(rnd, key, p.grad)
+            for key, b in self._buffers.items():
+                flat = b.detach().to("cpu").reshape(-1).clone()  # the next forward may change it while it is sent
+                for c in self._chunks_of.get(key, ()):
+                    rnd.queues[c.shard].put(("buffer", c, flat[c.offset : c.offset + c.numel]))
+            trailer = pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(),
+                                      absent_keys=absent, **self._options.trailer_fields())
+            for q in rnd.queues:
+                q.put(("trailer", trailer))
+                q.put(None)
+            self._round = None
+            self._counts = dict.fromkeys(self._counts, 0)
+        if self._waits is not None:
+            self._waits.learn()
+        expected = [v + 1 for v in self.versions]
+        rnd.futures = [
+            self._pool.submit(self._sink.receive, self._clients[s], call, expected[s], "push_pull", rnd)
+            for s, call in enumerate(rnd.calls)
+        ]
+        self._pulling = rnd
+
+    def _finish_pull(self) -> None:
+        """Wait for the pending pulls (if any) and record the versions received.
+
+        Every shard's outcome is awaited, not only the first failure: if some
+        shards applied the round and others failed it, the model's partitions
+        are now at different versions and every later step raises (sync
+        training cannot go on from a half-applied round).
+        """
+        rnd, self._pulling = self._pulling, None
+        if rnd is None:
+            return
+        applied, failed = rnd.outcome()
+        self.versions = [applied.get(s, v) for s, v in enumerate(self.versions)]
+        if not failed:
+            return
+        shard, error = failed[0]
+        if applied:
+            first = min(applied)
+            self._diverged = (
+                f"shard(s) {sorted(applied)} applied round {applied[first] - 1} but shard {shard} failed it "
+                f"({error}): the model's partitions are at different versions {self.versions}; restore the job "
+                "from a checkpoint"
+            )
+        raise error
+
+    def _await_decision(self, rnd: Round) -> None:
+        """In a round that clips or scales: wait for the shards' verdict and hand it to the GradScaler."""
+        if not rnd.wait_decided():
+            self._finish_pull()  # raises the failure
+            raise RuntimeError("the shards ended the round without a report")
+        self.last_step_skipped = rnd.commit.skip
+        if self._options.scaled:
+            record_found_inf(self._options.grad_scaler, self._optimizer, rnd.commit.skip)
+        elif rnd.commit.skip:
+            self._finish_pull()
+            raise RuntimeError(
+                f"round {rnd.commit.round} was skipped on every shard: the averaged gradient is not finite (float32 "
+                "overflow); lower the learning rate or the loss, or train with a GradScaler"
+            )
 
     # ------------------------------------------------------------ public API
     @property
@@ -297,76 +383,33 @@ class DistributedOptimizer:
         """
         self._finish_pull()
 
-    def _start_pull(self) -> None:
-        """Close this round's pushes and start reading every shard's parameters in the background."""
-        with self._lock:
-            rnd = self._open_round()
-            for key, p in self._params.items():
-                if key not in rnd.pushed:
-                    self._enqueue(rnd, key, p.grad)
-            for q in rnd.queues:
-                q.put(None)
-            self._round = None
-            self._counts = dict.fromkeys(self._counts, 0)
-        if self._overlap and self._wait_keys is None and self._called:
-            self._learn_wait_keys()
-        expected = [v + 1 for v in self.versions]
-        rnd.futures = [
-            self._pool.submit(self._sink.receive, self._clients[s], call, expected[s], "push_pull", rnd)
-            for s, call in enumerate(rnd.calls)
-        ]
-        self._pulling = rnd
-
-    def _finish_pull(self) -> None:
-        """Wait for the pending pulls (if any) and record the versions received.
-
-        Every shard's outcome is awaited (each is bounded by the call's
-        deadline), not only the first failure: if some shards applied the
-        round and others failed it, the model's partitions are now at
-        different versions and every later step raises (sync training cannot
-        go on from a half-applied round).
-        """
-        rnd = self._pulling
-        if rnd is None:
-            return
-        self._pulling = None
-        wait(rnd.futures)  # blocking wait for every shard
-        failed = [s for s, f in enumerate(rnd.futures) if f.exception() is not None]
-        applied = [s for s, f in enumerate(rnd.futures) if f.exception() is None]
-        for s in applied:
-            self.versions[s] = rnd.futures[s].result()
-        if not failed:
-            return
-        error = rnd.futures[failed[0]].exception()
-        if applied:
-            self._diverged = (
-                f"shard(s) {applied} applied round {self.versions[applied[0]] - 1} but shard {failed[0]} failed it "
-                f"({error}): the model's partitions are at different versions {self.versions}; restore the job "
-                "from a checkpoint"
-            )
-        raise error
-
     def step(self, closure=None):
-        """Finish this round: push the gradients, pull the updated parameters into the model.
+        """Finish this round: push the gradients, pull the updated parameters (and buffers) into the model.
 
-        Parameters without a gradient push zeros. Without ``model`` this blocks
-        until the parameters are in place. With ``model`` it returns once the gradients are
-        handed off; the parameters land while the next forward runs, each
-        submodule waiting for its own.
+        Parameters whose ``grad`` is None are not sent, and the shards leave
+        them and their optimizer state alone (unless another worker had a
+        gradient for them: then it is averaged with this worker's zeros, as DDP
+        does). Without ``model`` this blocks until the parameters are in
+        place; with ``model`` it returns once the gradients are handed off.
 
         Returns:
             ``closure()``'s loss, if a closure is given.
 
         Raises:
+            GradientEditedError: a gradient changed after its push started.
             ShardRpcError: a shard refused the push or the pull (its message says why).
-            RuntimeError: a shard answered outside the protocol.
+            RuntimeError: a shard answered outside the protocol, or a round was
+                skipped for overflow without a GradScaler.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._start_pull()
-        if not self._overlap:
+        rnd = self._pulling
+        if rnd.decide is not None:
+            self._await_decision(rnd)
+        if self._waits is None:
             self._finish_pull()
         # Tell LR schedulers attached to the wrapped optimizer that a step happened.
         self._optimizer._opt_called = True
@@ -388,6 +431,37 @@ class DistributedOptimizer:
                         self._finish_pull()
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict:
+        """The optimizer state from the shards, in ``torch.optim``'s format (loads into a plain optimizer).
+
+        Raises:
+            ShardRpcError: a shard refused or failed.
+        """
+        self._finish_pull()
+        if not self._clients:
+            raise RuntimeError("this DistributedOptimizer is closed: its optimizer state lives on the shards, read it "
+                               "before close()")
+        request = pb.StateRequest(worker_id=self.worker_id, session=self.session,
+                                  plan_fingerprint=self.plan.fingerprint)
+        return optimizer_state.gather(self._clients, self._pool, request, self.plan, self._optimizer, self._params)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim`` state dict (from a plain optimizer or :meth:`state_dict`) onto the shards.
+
+        Call it between rounds (before the first ``step()``, typically); every
+        worker may call it with the same checkpoint. Hyperparameters in it
+        apply from the next round, as ``torch.optim`` does.
+
+        Raises:
+            ValueError: it does not fit this optimizer (groups, parameters, shapes).
+            ShardRpcError: a shard refused it (a round in progress, unknown entries).
+        """
+        self._finish_pull()
+        if not self._clients:
+            raise RuntimeError("this DistributedOptimizer is closed")
+        optimizer_state.load(self._clients, self._pool, self._header(), self.plan, self._optimizer, self._params,
+                             state_dict)
+
     def stats(self) -> list[pb.StatsReply]:
         """Each shard's Stats reply, in shard order."""
         return [c.stats() for c in self._clients]
@@ -397,6 +471,8 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._waits is not None:
+            self._waits.remove()
         try:
             self._finish_pull()
         except (ShardRpcError, RuntimeError) as exc:
@@ -416,6 +492,9 @@ class DistributedOptimizer:
             client.close()
         self._clients = []
         self._pool.shutdown(wait=False)
+        if self._routed is not None:
+            optimizer_state.restore(self._optimizer, self._routed)
+            self._routed = None
 
     def __enter__(self) -> "DistributedOptimizer":
         return self

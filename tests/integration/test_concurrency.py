@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import copy_payload, decode_frame, encode_chunk, encode_round
+from shardps.proto.codec import copy_payload, decode_frame, encode_chunk, encode_control, encode_round
 from shardps.proto.optim import optimizer_spec
 from shardps.proto.plan import KeyInfo, PartitionPlan
 from shardps.worker.client import ShardClient
@@ -84,11 +84,11 @@ async def scenario(address: str, monitor: Monitor) -> None:
         iter([encode_round(header), encode_chunk("w", 0, initial, 0)]), timeout=60)
 
     async def push_pull(index: int, worker_id: str, session: str, channel, rnd: int) -> torch.Tensor:
-        header = pb.RoundHeader(worker_id=worker_id, session=session, round=rnd, lrs=[LR],
-                                plan_fingerprint=plan.fingerprint)
+        header = pb.RoundHeader(worker_id=worker_id, session=session, round=rnd, plan_fingerprint=plan.fingerprint)
         grad = torch.full((NUMEL,), float(index))  # worker i pushes i everywhere: the mean is (CLIENTS - 1) / 2
         call = channel.stream_stream(PATH + "PushPull")(
-            iter([encode_round(header), encode_chunk("w", 0, grad, rnd)]), timeout=120)
+            iter([encode_round(header), encode_chunk("w", 0, grad, rnd),
+                  encode_control(trailer=pb.RoundTrailer(lrs=[LR]))]), timeout=120)
         out = torch.empty(NUMEL)
         async for raw in call:
             frame = decode_frame(raw)

@@ -49,7 +49,7 @@ def pull_params(client: ShardClient, dist: DistributedOptimizer) -> bytes:
 
 def push_frames(dist: DistributedOptimizer, chunks: list[tuple[str, int, torch.Tensor]], round_: int = 0):
     w0 = RawWorker(None, "w0", dist.plan, dist._spec, session=dist.session)
-    yield from w0.frames(w0.header(round_, lrs=[0.1]), chunks)
+    yield from w0.frames(w0.header(round_), chunks, trailer=w0.trailer([0.1]))
 
 
 def good_chunks(dist: DistributedOptimizer) -> list[tuple[str, int, torch.Tensor]]:
@@ -89,8 +89,7 @@ def test_push_of_wrong_round_or_non_member(joined) -> None:
         client.push(push_frames(dist, good_chunks(dist), round_=3))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     frames = list(push_frames(dist, good_chunks(dist)))
-    frames[0] = encode_round(pb.RoundHeader(worker_id="stranger", session="s", lrs=[0.1],
-                                            plan_fingerprint=dist.plan.fingerprint))
+    frames[0] = encode_round(pb.RoundHeader(worker_id="stranger", session="s", plan_fingerprint=dist.plan.fingerprint))
     with pytest.raises(ShardRpcError, match="not a member"):
         client.push(iter(frames))
     assert client.stats().version == 0
@@ -185,7 +184,7 @@ def test_oversized_messages_are_refused(start_cluster) -> None:
     client = ShardClient(cluster.addresses[0], index=0)
     try:
         huge = encode_chunk("weight", 0, torch.zeros(90_000), 0)  # 360 KB frame > 256 KiB limit
-        header = pb.RoundHeader(worker_id="w0", session=dist.session, lrs=[0.1], plan_fingerprint=dist.plan.fingerprint)
+        header = pb.RoundHeader(worker_id="w0", session=dist.session, plan_fingerprint=dist.plan.fingerprint)
         with pytest.raises(ShardRpcError) as err:
             client.push(iter([encode_round(header), huge]))
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -17,13 +17,14 @@ bit, those of the same job run without fuzzing.
 The shards run with ``--max-workers 3`` (the job's size): a fuzzed Join
 that happens to be valid is then refused instead of joining the job, as an
 operator closes a job's membership. Size: ``SHARDPS_FUZZ_EXAMPLES``
-requests per RPC (default 5,000, so 35,000 in all). Hypothesis draws each
+requests per RPC (default 4,000, so 36,000 in all). Hypothesis draws each
 example's request kinds and seeds the ``Random`` its requests are built
 from (derandomized: the same requests every run).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -36,16 +37,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_chunk, encode_round
+from shardps.proto.codec import encode_chunk, encode_control, encode_round
 from shardps.proto.plan import PartitionPlan
 from shardps.worker.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.raw import SERVING, RawWorker, health_status, plan_and_spec
 from tests.worker_proc import BATCH, data, model
 
-EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 5000))
+EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 4000))
 STEPS = 30
-METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "Leave", "Stats")
+METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Leave", "Stats")
+STREAMS = ("Init", "Push", "PushPull", "SetState")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 KINDS = ("raw", "mutated", "fields", "seed", "member")
 IDS = ("w0", "w1", "zz-fuzz", "fuzz", "", "w0 ", "x" * 300, "\u00e9t\u00e9", "tab\t")
@@ -74,7 +76,7 @@ class FuzzMember:
         """Push the next round (zeros) to every shard, once every shard has applied the previous one."""
         for shard, w in enumerate(self.raw):
             w.pull(self.round)  # waits for version `round`
-            w.push(shard, fill=0.0, round_=self.round, lrs=[0.01])
+            w.push(shard, fill=0.0, round_=self.round, lrs=[0.01])  # a gradient of zeros: counts in the average
         self.round += 1
 
     def close(self) -> None:
@@ -144,8 +146,9 @@ class Job:
 def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[str, list[bytes]]:
     """One valid-looking request per RPC (with a session nobody holds), as the fuzzer's seeds."""
     session = uuid.uuid4().hex
-    header = pb.RoundHeader(worker_id="w0", session=session, round=3, lrs=[0.01], plan_fingerprint=plan.fingerprint)
+    header = pb.RoundHeader(worker_id="w0", session=session, round=3, plan_fingerprint=plan.fingerprint)
     chunks = [encode_chunk(c.key, c.offset, torch.ones(c.numel), 3) for c in plan.shard_chunks(shard)]
+    chunks.append(encode_control(trailer=pb.RoundTrailer(lrs=[0.01], absent_keys=[1])))
     view = pb.JobView(job_id="j", initialiser="w0", initialised=True, version=3) if shard else None
     return {
         "Join": [pb.JoinRequest(worker_id="fuzz", session=session, plan=plan.to_proto(),
@@ -155,6 +158,10 @@ def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[s
         "PushPull": [encode_round(header), *chunks],
         "Pull": [pb.PullRequest(min_version=3, plan_fingerprint=plan.fingerprint, worker_id="w1",
                                 session=session).SerializeToString()],
+        "GetState": [pb.StateRequest(worker_id="w1", session=session,
+                                     plan_fingerprint=plan.fingerprint).SerializeToString()],
+        "SetState": [encode_round(header), *(encode_chunk(c.key, c.offset, torch.ones(c.numel), 0, state="exp_avg")
+                                             for c in plan.shard_chunks(shard))],
         "Leave": [pb.LeaveRequest(worker_id="w1", session=session).SerializeToString()],
         "Stats": [pb.StatsRequest(digest=True).SerializeToString()],
     }
@@ -184,16 +191,23 @@ def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
     """A well-formed request of ``method`` with arbitrary fields: foreign and unknown ids, bad numbers, sizes."""
     worker, session = rng.choice(IDS), rng.choice(("", uuid.uuid4().hex, "s" * 100))
     fprint = rng.choice((plan.fingerprint, "", "0" * 16))
-    if method in ("Init", "Push", "PushPull"):
+    if method in STREAMS:
         header = encode_round(pb.RoundHeader(
             worker_id=worker, session=session, round=rng.choice((0, 1, 3, rng.randrange(2**64))),
-            lrs=[number(rng) for _ in range(rng.randint(0, 3))], plan_fingerprint=fprint,
-            pull_dtype=rng.randrange(10)))
+            plan_fingerprint=fprint, pull_dtype=rng.randrange(12), scaled=rng.random() < 0.3))
         chunk = pb.Frame(header=pb.ChunkHeader(
             key=rng.choice((plan.keys[0].key, "nope", "")), offset=rng.choice((0, 64, rng.randrange(2**64))),
-            numel=rng.choice((64, 0, rng.randrange(2**40))), dtype=rng.randrange(6), version=rng.randrange(5)),
+            numel=rng.choice((64, 0, rng.randrange(2**40))), dtype=rng.randrange(12), version=rng.randrange(5),
+            state=rng.choice(("", "exp_avg", "step", "momentum_buffer", "nope"))),
             payload=rng.randbytes(rng.choice((0, 256, 128)))).SerializeToString()
-        return [header] + [chunk] * rng.randint(0, 2)
+        trailer = encode_control(trailer=pb.RoundTrailer(
+            lrs=[number(rng) for _ in range(rng.randint(0, 3))], inv_scale=number(rng) if rng.random() < 0.3 else 0,
+            max_grad_norm=number(rng) if rng.random() < 0.3 else 0, norm_type=rng.choice((0, 2, 1, -1, math.inf)),
+            absent_keys=[rng.randrange(2**rng.randint(1, 32)) for _ in range(rng.randint(0, 2))],
+            group_hyperparams_json=rng.choice(([], ['{"lr": 0.1}'], ['{"lr": 0.1, "betas": [2, 0.9]}'], ["["]))))
+        commit = encode_control(commit=pb.RoundCommit(round=rng.randrange(5), skip=rng.random() < 0.5,
+                                                      clip_coef=number(rng)))
+        return [header] + [chunk] * rng.randint(0, 2) + rng.choice(([], [trailer], [trailer, commit], [commit]))
     if method == "Join":
         keys = [pb.KeySpec(key=rng.choice(("w", "", "k" * 2000)), shape=[rng.randrange(2**rng.randint(1, 45))
                 for _ in range(rng.randint(0, 3))], group=rng.randrange(2**rng.randint(1, 32))) for _ in range(3)]
@@ -208,6 +222,8 @@ def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
     if method == "Pull":
         return pb.PullRequest(min_version=rng.randrange(2**64), plan_fingerprint=fprint, dtype=rng.randrange(10),
                               worker_id=worker, session=session).SerializeToString()
+    if method == "GetState":
+        return pb.StateRequest(worker_id=worker, session=session, plan_fingerprint=fprint).SerializeToString()
     if method == "Leave":
         return pb.LeaveRequest(worker_id=worker, session=session).SerializeToString()
     return pb.StatsRequest(digest=rng.random() < 0.5).SerializeToString()
@@ -217,15 +233,27 @@ def member_request(method: str, rng, shard: int, fz: FuzzMember):
     """A request in the fuzz member's own session (past the identity checks, into the shard's decoding).
 
     Pushes are of the open round, their chunks mutated, and always end in a
-    second round header, which makes them invalid: none is ever accepted.
+    second round header, which makes them invalid: none is ever accepted;
+    SetState streams (mutated optimizer state) end the same way.
     Pulls ask for a version the shard has. Never a Leave (it would change the job).
     """
     w = fz.raw[shard]
     if method in ("Init", "Push", "PushPull"):
-        frames = list(w.frames(w.header(fz.round, lrs=[0.01]), w.chunks(shard, rng.uniform(-1, 1))))
-        body = [mutate(f, rng) if rng.random() < 0.3 else f for f in frames[1:]]
+        trailer = w.trailer([0.01], max_grad_norm=rng.choice((0.0, 1.0)), absent_keys=rng.choice(([], [0], [1])))
+        frames = list(w.frames(w.header(fz.round), w.chunks(shard, rng.uniform(-1, 1)), trailer=trailer))
+        body = [mutate(f, rng) if rng.random() < 0.3 else f for f in frames[1:-1]]
         rng.shuffle(body)
-        return [frames[0], *body[: rng.randint(0, len(body))], frames[0]]
+        # the second round header comes before the trailer: the push is always refused there
+        return [frames[0], *body[: rng.randint(0, len(body))], frames[0], frames[-1]]
+    if method == "SetState":  # state chunks, mutated, then a second round header: never accepted
+        state = [encode_chunk(c.key, c.offset, torch.full((c.numel,), rng.uniform(-1, 1)), 0,
+                              state=rng.choice(("exp_avg", "exp_avg_sq", "step")))
+                 for c in w.plan.shard_chunks(shard)]
+        body = [mutate(f, rng) if rng.random() < 0.3 else f for f in state]
+        return [encode_round(w.header(fz.round)), *body[: rng.randint(0, len(body))], encode_round(w.header(0))]
+    if method == "GetState":
+        return pb.StateRequest(worker_id=w.worker_id, session=w.session,
+                               plan_fingerprint=w.plan.fingerprint).SerializeToString()
     if method == "Pull":
         return pb.PullRequest(min_version=rng.choice((0, fz.round)), plan_fingerprint=w.plan.fingerprint,
                               worker_id=w.worker_id, session=w.session, dtype=rng.randrange(4)).SerializeToString()
@@ -240,7 +268,7 @@ def member_request(method: str, rng, shard: int, fz: FuzzMember):
 
 def make_request(method: str, kind: str, rng, shard: int, seeds, plan, spec, fz: FuzzMember):
     """One request for ``method``: bytes for unary-request RPCs, a list of frames for streams."""
-    stream = method in ("Init", "Push", "PushPull")
+    stream = method in STREAMS
     seed = seeds[shard][method]
     if kind == "member":
         request = member_request(method, rng, shard, fz)
@@ -261,11 +289,11 @@ def make_request(method: str, kind: str, rng, shard: int, seeds, plan, spec, fz:
 def send(channel: grpc.Channel, method: str, request) -> grpc.StatusCode:
     path = f"/shardps.v1.Shard/{method}"
     try:
-        if method in ("Init", "Push"):
+        if method in ("Init", "Push", "SetState"):
             channel.stream_unary(path)(iter(request), timeout=5)
         elif method == "PushPull":
             list(channel.stream_stream(path)(iter(request), timeout=5))
-        elif method == "Pull":
+        elif method in ("Pull", "GetState"):
             list(channel.unary_stream(path)(request, timeout=5))
         else:
             channel.unary_unary(path)(request, timeout=5)

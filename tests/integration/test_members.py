@@ -216,7 +216,7 @@ def test_push_and_leave_arriving_together_never_wedge_the_shard(shard) -> None:
                     await channel.stream_unary(path + "Init")(
                         iter(w.frames(w.header(), w.chunks(0, params=params), version=0)), timeout=10)
                 push = channel.stream_unary(path + "Push")(
-                    iter(list(w.frames(w.header(reply.version), w.chunks(0, 0.01)))), timeout=10)
+                    iter(list(w.frames(w.header(reply.version), w.chunks(0, 0.01), trailer=w.trailer()))), timeout=10)
                 leave = channel.unary_unary(path + "Leave")(
                     pb.LeaveRequest(worker_id="a", session=w.session).SerializeToString(), timeout=10)
                 results = await asyncio.gather(push, leave, return_exceptions=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import torch
 from torch import nn
 
 from shardps.worker.optimizer import DistributedOptimizer
+from tests.threads import run_workers
 
 STEPS = 12
 
@@ -48,31 +48,22 @@ def test_overlap_waits_for_parameters_read_without_a_module_call(start_cluster) 
     cluster = start_cluster(2, min_workers=2)
     replicas = [copy.deepcopy(initial) for _ in range(2)]
     learned: dict = {}
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            model = replicas[i]
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.addresses, worker_id=f"w{i}",
-                                      chunk_bytes=256, model=model) as dist:
-                for step in range(STEPS):
-                    x, y = data(step)
-                    part = slice(3 * i, 3 * i + 3)
-                    dist.zero_grad()
-                    nn.functional.cross_entropy(model(x[part]), y[part]).backward()
-                    dist.step()
-                    if step == 0:
-                        learned[i] = dict(dist._wait_keys)
-        except BaseException as exc:
-            errors.append(exc)
+        model = replicas[i]
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.addresses, worker_id=f"w{i}",
+                                  chunk_bytes=256, model=model) as dist:
+            for step in range(STEPS):
+                x, y = data(step)
+                part = slice(3 * i, 3 * i + 3)
+                dist.zero_grad()
+                nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+                dist.step()
+                if step == 0:
+                    learned[i] = dict(dist._waits.wait_keys)
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors[0]
+    run_workers(2, worker)
     # out_proj's forward never runs, so attention itself waits for its weights
     attn_keys = learned[0][id(replicas[0].attn)]
     assert {"attn.in_proj_weight", "attn.out_proj.weight", "attn.out_proj.bias"} <= set(attn_keys)

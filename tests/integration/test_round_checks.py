@@ -147,11 +147,11 @@ def test_push_pull_with_an_invalid_pull_dtype_applies_nothing(start_cluster) -> 
     """Item 6: every field of the round header is checked before the push is accepted."""
     cluster, client, (a,), m, _ = start(start_cluster, sgd)
     before = snapshot(client)
-    frames = list(a.frames(a.header(0, pull_dtype=7), a.chunks(0, 0.5)))
+    frames = list(a.frames(a.header(0, pull_dtype=7), a.chunks(0, 0.5), trailer=a.trailer()))
     code, details = raw_stream(cluster.addresses[0], "PushPull", frames)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "pull_dtype 7 is not a wire dtype" in details
     assert snapshot(client) == before
-    frames = list(a.frames(a.header(0, pull_dtype=pb.BFLOAT16), a.chunks(0, 0.5)))
+    frames = list(a.frames(a.header(0, pull_dtype=pb.BFLOAT16), a.chunks(0, 0.5), trailer=a.trailer()))
     assert raw_stream(cluster.addresses[0], "PushPull", frames)[0] == grpc.StatusCode.OK
     assert snapshot(client)["version"] == 1
 

@@ -9,14 +9,12 @@ process, each with its own model replica; shards are real processes.
 
 from __future__ import annotations
 
-import copy
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from shardps.worker.optimizer import DistributedOptimizer
+from tests.threads import run_workers
 
 STEPS = 20
 BATCH = 12  # divisible by 1, 2 and 3 workers
@@ -66,37 +64,26 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
     x, y = data()
     per = BATCH // workers
     models = [make_model() for _ in range(workers)]
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            model = models[i]
-            opt, sched = make_optimizer(name, model)
-            with DistributedOptimizer(
-                opt, model.named_parameters(), servers=servers, worker_id=f"w{i}", chunk_bytes=CHUNK_BYTES,
-                rpc_timeout=60.0, model=model if overlap else None,
-            ) as dist:
-                for step in range(STEPS):
-                    dist.zero_grad()
-                    part = slice(i * per, (i + 1) * per)
-                    nn.functional.cross_entropy(model(x[step, part]), y[step, part]).backward()
-                    dist.step()
-                    sched.step()
-                    if step % 7 == 3:
-                        dist.synchronize()  # waits for the pull; never starts a round of its own
-                assert dist.version == STEPS
-                assert not opt.state, "the local optimizer must never allocate state"
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
+        model = models[i]
+        opt, sched = make_optimizer(name, model)
+        with DistributedOptimizer(
+            opt, model.named_parameters(), servers=servers, worker_id=f"w{i}", chunk_bytes=CHUNK_BYTES,
+            rpc_timeout=60.0, model=model if overlap else None,
+        ) as dist:
+            for step in range(STEPS):
+                dist.zero_grad()
+                part = slice(i * per, (i + 1) * per)
+                nn.functional.cross_entropy(model(x[step, part]), y[step, part]).backward()
+                dist.step()
+                sched.step()
+                if step % 7 == 3:
+                    dist.synchronize()  # waits for the pull; never starts a round of its own
+            assert dist.version == STEPS
+            assert not opt.state, "the local optimizer must never allocate state"
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a worker thread hung"
-    if errors:
-        raise errors[0]
+    run_workers(workers, worker)
     return models
 
 

@@ -68,8 +68,11 @@ def test_bad_plan_inputs_name_the_fix(keys, kwargs, message) -> None:
 def test_keys_from_named_parameters_checks_groups() -> None:
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], lr=0.1)
-    keys = keys_from_named_parameters(list(model.named_parameters()), opt.param_groups)
-    assert [(k.key, k.group) for k in keys] == [("weight", 0), ("bias", 1)]
+    keys, outside = keys_from_named_parameters(list(model.named_parameters()), opt.param_groups)
+    assert [(k.key, k.group) for k in keys] == [("weight", 0), ("bias", 1)] and outside == []
     partial = torch.optim.SGD([model.weight], lr=0.1)
-    with pytest.raises(ValueError, match="not in any param group"):
-        keys_from_named_parameters(list(model.named_parameters()), partial.param_groups)
+    keys, outside = keys_from_named_parameters(list(model.named_parameters()), partial.param_groups)
+    assert [k.key for k in keys] == ["weight"] and outside == ["bias"]
+    stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="no name in named_parameters"):
+        keys_from_named_parameters(list(model.named_parameters()), stranger.param_groups)
