@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshardps/proto/shardps.proto\x12\nshardps.v1\"4\n\x07KeySpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05group\x18\x03 \x01(\r\"J\n\nBufferSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\"\x7f\n\x08PlanSpec\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.shardps.v1.KeySpec\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\'\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x16.shardps.v1.BufferSpec\"C\n\rOptimizerSpec\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\"T\n\x07JobView\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binitialiser\x18\x02 \x01(\t\x12\x13\n\x0binitialised\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\xd6\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.shardps.v1.PlanSpec\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.shardps.v1.OptimizerSpec\x12\x0f\n\x07session\x18\x05 \x01(\t\x12 \n\x03job\x18\x06 \x01(\x0b\x32\x13.shardps.v1.JobView\x12\x15\n\rstatic_digest\x18\x07 \x01(\t\"x\n\tJoinReply\x12\x12\n\ninitialise\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12 \n\x03job\x18\x05 \x01(\x0b\x32\x13.shardps.v1.JobView\"2\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x1d\n\nLeaveReply\x12\x0f\n\x07members\x18\x01 \x01(\r\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x08\"\x98\x03\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\x12\x13\n\x0binitialised\x18\x06 \x01(\x08\x12\x18\n\x10plan_fingerprint\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0bparam_bytes\x18\n \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x0b \x01(\x04\x12\x18\n\x10push_bytes_total\x18\x0c \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\r \x01(\x04\x12\x0e\n\x06pushed\x18\x0e \x03(\t\x12\x0e\n\x06job_id\x18\x0f \x01(\t\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x13\n\x0bmax_workers\x18\x11 \x01(\r\x12\x0e\n\x06\x64igest\x18\x12 \x01(\t\x12\x16\n\x0erounds_skipped\x18\x13 \x01(\x04\"\x99\x01\n\x0b\x43hunkHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05state\x18\x07 \x01(\tB\x08\n\x06_crc32\"\x97\x01\n\x0bRoundHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\x12%\n\npull_dtype\x18\x05 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x0e\n\x06scaled\x18\x07 \x01(\x08J\x04\x08\x03\x10\x04\"\x8d\x01\n\x0cRoundTrailer\x12\x0b\n\x03lrs\x18\x01 \x03(\x01\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\x12\x13\n\x0b\x61\x62sent_keys\x18\x03 \x03(\r\x12\x11\n\tinv_scale\x18\x04 \x01(\x02\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x11\n\tnorm_type\x18\x06 \x01(\x01\"B\n\x0bRoundReport\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tnorm_part\x18\x02 \x01(\x01\x12\x11\n\tfound_inf\x18\x03 \x01(\x08\"=\n\x0bRoundCommit\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04skip\x18\x02 \x01(\x08\x12\x11\n\tclip_coef\x18\x03 \x01(\x02\"\xe6\x01\n\x05\x46rame\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.shardps.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x17.shardps.v1.RoundHeader\x12)\n\x07trailer\x18\x04 \x01(\x0b\x32\x18.shardps.v1.RoundTrailer\x12\'\n\x06report\x18\x05 \x01(\x0b\x32\x17.shardps.v1.RoundReport\x12\'\n\x06\x63ommit\x18\x06 \x01(\x0b\x32\x17.shardps.v1.RoundCommit\"\x82\x01\n\x0bPullRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\"\x1c\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1c\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"L\n\x0cStateRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\" \n\rSetStateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n2\x80\x04\n\x05Shard\x12\x36\n\x04Join\x12\x17.shardps.v1.JoinRequest\x1a\x15.shardps.v1.JoinReply\x12\x32\n\x04Init\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.InitReply(\x01\x12\x32\n\x04Push\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.PushReply(\x01\x12\x34\n\x04Pull\x12\x17.shardps.v1.PullRequest\x1a\x11.shardps.v1.Frame0\x01\x12\x34\n\x08PushPull\x12\x11.shardps.v1.Frame\x1a\x11.shardps.v1.Frame(\x01\x30\x01\x12\x39\n\x05Leave\x12\x18.shardps.v1.LeaveRequest\x1a\x16.shardps.v1.LeaveReply\x12\x39\n\x05Stats\x12\x18.shardps.v1.StatsRequest\x1a\x16.shardps.v1.StatsReply\x12\x39\n\x08GetState\x12\x18.shardps.v1.StateRequest\x1a\x11.shardps.v1.Frame0\x01\x12:\n\x08SetState\x12\x11.shardps.v1.Frame\x1a\x19.shardps.v1.SetStateReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bshardps/proto/shardps.proto\x12\nshardps.v1\"4\n\x07KeySpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05group\x18\x03 \x01(\r\"J\n\nBufferSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\"\x7f\n\x08PlanSpec\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.shardps.v1.KeySpec\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\'\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x16.shardps.v1.BufferSpec\"C\n\rOptimizerSpec\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\"T\n\x07JobView\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0binitialiser\x18\x02 \x01(\t\x12\x13\n\x0binitialised\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\xd6\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.shardps.v1.PlanSpec\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.shardps.v1.OptimizerSpec\x12\x0f\n\x07session\x18\x05 \x01(\t\x12 \n\x03job\x18\x06 \x01(\x0b\x32\x13.shardps.v1.JobView\x12\x15\n\rstatic_digest\x18\x07 \x01(\t\"\x8f\x01\n\tJoinReply\x12\x12\n\ninitialise\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x01(\r\x12\x13\n\x0bshard_index\x18\x04 \x01(\r\x12 \n\x03job\x18\x05 \x01(\x0b\x32\x13.shardps.v1.JobView\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\"2\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x1d\n\nLeaveReply\x12\x0f\n\x07members\x18\x01 \x01(\r\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"c\n\x0eHeartbeatReply\x12\x0f\n\x07members\x18\x01 \x03(\t\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x08\"\xeb\x03\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\x12\x13\n\x0binitialised\x18\x06 \x01(\x08\x12\x18\n\x10plan_fingerprint\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0bparam_bytes\x18\n \x01(\x04\x12\x1d\n\x15optimizer_state_bytes\x18\x0b \x01(\x04\x12\x18\n\x10push_bytes_total\x18\x0c \x01(\x04\x12\x18\n\x10pull_bytes_total\x18\r \x01(\x04\x12\x0e\n\x06pushed\x18\x0e \x03(\t\x12\x0e\n\x06job_id\x18\x0f \x01(\t\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x13\n\x0bmax_workers\x18\x11 \x01(\r\x12\x0e\n\x06\x64igest\x18\x12 \x01(\t\x12\x16\n\x0erounds_skipped\x18\x13 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x14 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x15 \x01(\x04\x12\x1f\n\x17last_round_contributors\x18\x16 \x01(\r\"\x99\x01\n\x0b\x43hunkHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\x05\x63rc32\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05state\x18\x07 \x01(\tB\x08\n\x06_crc32\"\x97\x01\n\x0bRoundHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\x12%\n\npull_dtype\x18\x05 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x0e\n\x06scaled\x18\x07 \x01(\x08J\x04\x08\x03\x10\x04\"\x8d\x01\n\x0cRoundTrailer\x12\x0b\n\x03lrs\x18\x01 \x03(\x01\x12\x1e\n\x16group_hyperparams_json\x18\x02 \x03(\t\x12\x13\n\x0b\x61\x62sent_keys\x18\x03 \x03(\r\x12\x11\n\tinv_scale\x18\x04 \x01(\x02\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x11\n\tnorm_type\x18\x06 \x01(\x01\"B\n\x0bRoundReport\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tnorm_part\x18\x02 \x01(\x01\x12\x11\n\tfound_inf\x18\x03 \x01(\x08\"=\n\x0bRoundCommit\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04skip\x18\x02 \x01(\x08\x12\x11\n\tclip_coef\x18\x03 \x01(\x02\"\xe6\x01\n\x05\x46rame\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.shardps.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x17.shardps.v1.RoundHeader\x12)\n\x07trailer\x18\x04 \x01(\x0b\x32\x18.shardps.v1.RoundTrailer\x12\'\n\x06report\x18\x05 \x01(\x0b\x32\x17.shardps.v1.RoundReport\x12\'\n\x06\x63ommit\x18\x06 \x01(\x0b\x32\x17.shardps.v1.RoundCommit\"\x82\x01\n\x0bPullRequest\x12\x13\n\x0bmin_version\x18\x01 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07session\x18\x05 \x01(\t\"\x1c\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1c\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"L\n\x0cStateRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\" \n\rSetStateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04*\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n2\xc7\x04\n\x05Shard\x12\x36\n\x04Join\x12\x17.shardps.v1.JoinRequest\x1a\x15.shardps.v1.JoinReply\x12\x32\n\x04Init\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.InitReply(\x01\x12\x32\n\x04Push\x12\x11.shardps.v1.Frame\x1a\x15.shardps.v1.PushReply(\x01\x12\x34\n\x04Pull\x12\x17.shardps.v1.PullRequest\x1a\x11.shardps.v1.Frame0\x01\x12\x34\n\x08PushPull\x12\x11.shardps.v1.Frame\x1a\x11.shardps.v1.Frame(\x01\x30\x01\x12\x39\n\x05Leave\x12\x18.shardps.v1.LeaveRequest\x1a\x16.shardps.v1.LeaveReply\x12\x45\n\tHeartbeat\x12\x1c.shardps.v1.HeartbeatRequest\x1a\x1a.shardps.v1.HeartbeatReply\x12\x39\n\x05Stats\x12\x18.shardps.v1.StatsRequest\x1a\x16.shardps.v1.StatsReply\x12\x39\n\x08GetState\x12\x18.shardps.v1.StateRequest\x1a\x11.shardps.v1.Frame0\x01\x12:\n\x08SetState\x12\x11.shardps.v1.Frame\x1a\x19.shardps.v1.SetStateReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardps.proto.shardps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2446
-  _globals['_DTYPE']._serialized_end=2593
+  _globals['_DTYPE']._serialized_start=2710
+  _globals['_DTYPE']._serialized_end=2857
   _globals['_KEYSPEC']._serialized_start=43
   _globals['_KEYSPEC']._serialized_end=95
   _globals['_BUFFERSPEC']._serialized_start=97
@@ -45,38 +45,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBVIEW']._serialized_end=455
   _globals['_JOINREQUEST']._serialized_start=458
   _globals['_JOINREQUEST']._serialized_end=672
-  _globals['_JOINREPLY']._serialized_start=674
-  _globals['_JOINREPLY']._serialized_end=794
-  _globals['_LEAVEREQUEST']._serialized_start=796
-  _globals['_LEAVEREQUEST']._serialized_end=846
-  _globals['_LEAVEREPLY']._serialized_start=848
-  _globals['_LEAVEREPLY']._serialized_end=877
-  _globals['_STATSREQUEST']._serialized_start=879
-  _globals['_STATSREQUEST']._serialized_end=909
-  _globals['_STATSREPLY']._serialized_start=912
-  _globals['_STATSREPLY']._serialized_end=1320
-  _globals['_CHUNKHEADER']._serialized_start=1323
-  _globals['_CHUNKHEADER']._serialized_end=1476
-  _globals['_ROUNDHEADER']._serialized_start=1479
-  _globals['_ROUNDHEADER']._serialized_end=1630
-  _globals['_ROUNDTRAILER']._serialized_start=1633
-  _globals['_ROUNDTRAILER']._serialized_end=1774
-  _globals['_ROUNDREPORT']._serialized_start=1776
-  _globals['_ROUNDREPORT']._serialized_end=1842
-  _globals['_ROUNDCOMMIT']._serialized_start=1844
-  _globals['_ROUNDCOMMIT']._serialized_end=1905
-  _globals['_FRAME']._serialized_start=1908
-  _globals['_FRAME']._serialized_end=2138
-  _globals['_PULLREQUEST']._serialized_start=2141
-  _globals['_PULLREQUEST']._serialized_end=2271
-  _globals['_INITREPLY']._serialized_start=2273
-  _globals['_INITREPLY']._serialized_end=2301
-  _globals['_PUSHREPLY']._serialized_start=2303
-  _globals['_PUSHREPLY']._serialized_end=2331
-  _globals['_STATEREQUEST']._serialized_start=2333
-  _globals['_STATEREQUEST']._serialized_end=2409
-  _globals['_SETSTATEREPLY']._serialized_start=2411
-  _globals['_SETSTATEREPLY']._serialized_end=2443
-  _globals['_SHARD']._serialized_start=2596
-  _globals['_SHARD']._serialized_end=3108
+  _globals['_JOINREPLY']._serialized_start=675
+  _globals['_JOINREPLY']._serialized_end=818
+  _globals['_LEAVEREQUEST']._serialized_start=820
+  _globals['_LEAVEREQUEST']._serialized_end=870
+  _globals['_LEAVEREPLY']._serialized_start=872
+  _globals['_LEAVEREPLY']._serialized_end=901
+  _globals['_HEARTBEATREQUEST']._serialized_start=903
+  _globals['_HEARTBEATREQUEST']._serialized_end=957
+  _globals['_HEARTBEATREPLY']._serialized_start=959
+  _globals['_HEARTBEATREPLY']._serialized_end=1058
+  _globals['_STATSREQUEST']._serialized_start=1060
+  _globals['_STATSREQUEST']._serialized_end=1090
+  _globals['_STATSREPLY']._serialized_start=1093
+  _globals['_STATSREPLY']._serialized_end=1584
+  _globals['_CHUNKHEADER']._serialized_start=1587
+  _globals['_CHUNKHEADER']._serialized_end=1740
+  _globals['_ROUNDHEADER']._serialized_start=1743
+  _globals['_ROUNDHEADER']._serialized_end=1894
+  _globals['_ROUNDTRAILER']._serialized_start=1897
+  _globals['_ROUNDTRAILER']._serialized_end=2038
+  _globals['_ROUNDREPORT']._serialized_start=2040
+  _globals['_ROUNDREPORT']._serialized_end=2106
+  _globals['_ROUNDCOMMIT']._serialized_start=2108
+  _globals['_ROUNDCOMMIT']._serialized_end=2169
+  _globals['_FRAME']._serialized_start=2172
+  _globals['_FRAME']._serialized_end=2402
+  _globals['_PULLREQUEST']._serialized_start=2405
+  _globals['_PULLREQUEST']._serialized_end=2535
+  _globals['_INITREPLY']._serialized_start=2537
+  _globals['_INITREPLY']._serialized_end=2565
+  _globals['_PUSHREPLY']._serialized_start=2567
+  _globals['_PUSHREPLY']._serialized_end=2595
+  _globals['_STATEREQUEST']._serialized_start=2597
+  _globals['_STATEREQUEST']._serialized_end=2673
+  _globals['_SETSTATEREPLY']._serialized_start=2675
+  _globals['_SETSTATEREPLY']._serialized_end=2707
+  _globals['_SHARD']._serialized_start=2860
+  _globals['_SHARD']._serialized_end=3443
 # @@protoc_insertion_point(module_scope)

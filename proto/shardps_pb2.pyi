@@ -103,18 +103,20 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., static_digest: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialise", "version", "members", "shard_index", "job")
+    __slots__ = ("initialise", "version", "members", "shard_index", "job", "lease_seconds")
     INITIALISE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     initialise: bool
     version: int
     members: int
     shard_index: int
     job: JobView
-    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobView, _Mapping]] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "session")
@@ -130,6 +132,26 @@ class LeaveReply(_message.Message):
     members: int
     def __init__(self, members: _Optional[int] = ...) -> None: ...
 
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "session")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: str
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("members", "membership_epoch", "version", "lease_seconds")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    membership_epoch: int
+    version: int
+    lease_seconds: float
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., membership_epoch: _Optional[int] = ..., version: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("digest",)
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -137,7 +159,7 @@ class StatsRequest(_message.Message):
     def __init__(self, digest: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +179,9 @@ class StatsReply(_message.Message):
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -176,7 +201,10 @@ class StatsReply(_message.Message):
     max_workers: int
     digest: str
     rounds_skipped: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    lease_expiries: int
+    last_round_contributors: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state")

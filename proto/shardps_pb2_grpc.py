@@ -64,6 +64,11 @@ class ShardStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/shardps.v1.Shard/Heartbeat',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/shardps.v1.Shard/Stats',
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.StatsRequest.SerializeToString,
@@ -128,6 +133,13 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renew a member's lease (workers send it from a background thread).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -182,6 +194,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.LeaveRequest.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.LeaveReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.HeartbeatReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -361,6 +378,33 @@ class Shard:
             '/shardps.v1.Shard/Leave',
             shardps_dot_proto_dot_shardps__pb2.LeaveRequest.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Heartbeat',
+            shardps_dot_proto_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

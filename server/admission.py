@@ -139,7 +139,7 @@ class Admission:
                      len(self._members))
         return pb.JoinReply(
             initialise=initialise, version=self.version, members=len(self._members),
-            shard_index=cfg.shard_index, job=job.view(self.version),
+            shard_index=cfg.shard_index, job=job.view(self.version), lease_seconds=cfg.lease_seconds,
         )
 
     async def _new_job(self, request: pb.JoinRequest, hyperparams: list[dict]) -> Job:

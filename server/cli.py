@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
                    help=f"most chunks a job's plan may have (default {d.max_chunks})")
     p.add_argument("--init-timeout", type=float, default=d.init_timeout_seconds,
                    help=f"seconds the initialising worker has to send Init (default {d.init_timeout_seconds:.0f})")
+    p.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
+                   help=f"a worker silent this long (no heartbeat, no call) is dropped (default {d.lease_seconds:.0f})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="gRPC message limit in bytes (default 8 MiB)")
     p.add_argument("--max-wait-seconds", type=float, default=d.max_wait_seconds,
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         return ShardConfig(
             shard_index=a.shard_index, num_shards=a.num_shards, host=a.host, port=a.port,
             min_workers=a.min_workers, max_workers=a.max_workers, max_waiting=a.max_waiting,
-            max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout,
+            max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
             grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
         )

@@ -58,6 +58,9 @@ class ShardConfig:
             start its Init (the clock stops while the stream is received);
             after it, the next Join takes the role over and waiting pulls are
             told to join again.
+        lease_seconds: a member that makes no call (workers send a Heartbeat
+            every third of it) for this long is dropped, as if it had left:
+            the open round stops waiting for it.
     """
 
     shard_index: int
@@ -78,6 +81,7 @@ class ShardConfig:
     max_dims: int = 32
     memory_budget_bytes: int = field(default_factory=default_memory_budget_bytes)
     init_timeout_seconds: float = 60.0
+    lease_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -92,6 +96,8 @@ class ShardConfig:
             raise ValueError(f"max_message_bytes must be >= {2 * FRAME_OVERHEAD_BYTES}, got {self.max_message_bytes}")
         if self.max_wait_seconds <= 0 or self.grace_seconds < 0 or self.init_timeout_seconds <= 0:
             raise ValueError("max_wait_seconds and init_timeout_seconds must be > 0 and grace_seconds >= 0")
+        if not 0.5 <= self.lease_seconds <= 3600:
+            raise ValueError(f"lease_seconds must be in [0.5, 3600], got {self.lease_seconds}")
         if self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})")
         for name in ("max_waiting", "max_id_chars", "max_keys", "max_groups", "max_chunks", "max_dims",

@@ -17,11 +17,19 @@ every call. The rule:
 After a member leaves, its id is free: the same ``worker_id`` joining again
 is the same logical worker coming back (its place in the averaging order
 is its id).
+
+Leases: every call a member makes renews its lease for ``lease_seconds``
+(workers send a Heartbeat every third of it from a background thread). A
+member whose lease runs out (it crashed, hung or lost the network) is
+dropped exactly as if it had left; its id is then free, so a restarted
+process with the same ``worker_id`` is the same worker coming back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +50,7 @@ class Member:
         last_round: the last round whose push was accepted (-1: none pending).
         failed: ``(round, error)`` when the round it pushed was refused; its
             waiting calls raise ``error`` until it pushes again.
+        expires: when its lease runs out (``time.monotonic()`` seconds).
     """
 
     worker_id: str
@@ -51,14 +60,23 @@ class Member:
     pushing: asyncio.Task | None = None
     last_round: int = -1
     failed: tuple[int, ShardError] | None = None
+    expires: float = 0.0
 
 
 class Membership:
-    """The members of one shard, keyed by worker id; at most ``max_workers``."""
+    """The members of one shard, keyed by worker id; at most ``max_workers``, each holding a lease.
 
-    def __init__(self, max_workers: int) -> None:
-        self.max_workers = max_workers
+    Attributes:
+        epoch: incremented on every change (a member admitted, removed or expired).
+        expiries: members dropped because their lease ran out.
+    """
+
+    def __init__(self, max_workers: int, lease_seconds: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_workers, self.lease_seconds, self._clock = max_workers, lease_seconds, clock
         self._members: dict[str, Member] = {}
+        self.epoch = 0
+        self.expiries = 0
 
     def __len__(self) -> int:
         return len(self._members)
@@ -83,32 +101,38 @@ class Membership:
                 raise AlreadyExists(
                     f"worker_id {shown(worker_id)} is already a live member of this shard from another process "
                     "(another session): give every worker process its own worker_id, or wait until the "
-                    "other one leaves"
+                    f"other one leaves or its lease expires ({self.lease_seconds:g}s without a call)"
                 )
+            member.expires = self._clock() + self.lease_seconds
             return member, False
         if len(self._members) >= self.max_workers:
             raise ResourceExhausted(
                 f"this shard has {len(self._members)} members, its --max-workers limit; "
                 "a worker must leave first, or start the shards with a larger --max-workers"
             )
-        member = Member(worker_id, session)
+        member = Member(worker_id, session, expires=self._clock() + self.lease_seconds)
         self._members[worker_id] = member
+        self.epoch += 1
         return member, True
 
     def get(self, worker_id: str, session: str) -> Member:
-        """The member ``worker_id`` if ``session`` is its session.
+        """The member ``worker_id`` if ``session`` is its session; renews its lease.
 
         Raises:
             FailedPrecondition: not a member, or a member of another session.
         """
         member = self._members.get(worker_id)
         if member is None:
-            raise FailedPrecondition(f"worker {shown(worker_id)} is not a member of this shard: call Join first")
+            raise FailedPrecondition(
+                f"worker {shown(worker_id)} is not a member of this shard (it never joined, it left, or its lease "
+                f"expired: no call for {self.lease_seconds:g}s): join again"
+            )
         if member.session != session:
             raise FailedPrecondition(
                 f"worker {shown(worker_id)} is a member of this shard from another process (another session); "
                 "this call was refused and changed nothing"
             )
+        member.expires = self._clock() + self.lease_seconds
         return member
 
     def find(self, worker_id: str) -> Member | None:
@@ -125,7 +149,19 @@ class Membership:
         if member is None:
             return None
         self.get(worker_id, session)
+        self.epoch += 1
         return self._members.pop(worker_id)
+
+    def expire(self) -> list[Member]:
+        """Remove and return the members whose lease has run out."""
+        now = self._clock()
+        gone = [m for m in self._members.values() if m.expires < now]
+        for m in gone:
+            del self._members[m.worker_id]
+        if gone:
+            self.epoch += 1
+            self.expiries += len(gone)
+        return gone
 
     def members(self) -> list[Member]:
         return list(self._members.values())

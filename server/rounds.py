@@ -2,7 +2,9 @@
 
 Bulk synchronous parallel (Valiant, "A bridging model for parallel
 computation", CACM 1990): round ``r`` completes once every member has pushed
-it and at least ``min_workers`` workers have joined. A push is a worker's
+it; the first round also waits until ``min_workers`` workers have joined
+(later rounds go on with whoever is a member: workers leave, are dropped at
+lease expiry, or finish early). A push is a worker's
 gradient chunks (none for keys whose gradient is None), its buffers, and a
 trailer with the round's learning rates, changed hyperparameters, absent
 keys, loss scale and clipping. The gradients are averaged over all members
@@ -100,6 +102,7 @@ class Rounds:
         pushed: ``{worker_id: push}`` of the members whose push of the open round was accepted.
         params: ``{group: flat fp32}``; buffers: the buffer arena (uint8).
         applied, skipped: rounds applied, and of those skipped (loss-scale overflow).
+        last_contributors: members whose gradients the last applied round averaged.
         state_bytes: optimizer-state bytes after the last round.
 
     Args:
@@ -116,7 +119,7 @@ class Rounds:
         self.applying = False
         self.closed: Closed | None = None
         self.pushed: dict[str, _Pushed] = {}
-        self.applied = self.skipped = 0
+        self.applied = self.skipped = self.last_contributors = 0
         self.state_bytes = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
@@ -237,7 +240,7 @@ class Rounds:
     # ------------------------------------------------------------------ close and apply
     def maybe_apply(self) -> asyncio.Task | None:
         """Close the open round and start applying it if every member has pushed it."""
-        if self.applying or not self.pushed or len(self._members) < self.config.min_workers:
+        if self.applying or not self.pushed or (self.version == 0 and len(self._members) < self.config.min_workers):
             return None
         if self.waiting_for():
             return None
@@ -304,6 +307,7 @@ class Rounds:
         else:
             self.version += 1
             self.applied += 1
+            self.last_contributors = len(closed.members)
             self.skipped += skip
             self.state_bytes = self.optimizer.state_bytes()
         finally:

@@ -184,6 +184,10 @@ class ShardServicer:
         return pb.LeaveReply(members=self.store.leave(_parse(pb.LeaveRequest, request, "leave")))
 
     @_unary
+    async def Heartbeat(self, request: bytes, context) -> pb.HeartbeatReply:
+        return self.store.heartbeat(_parse(pb.HeartbeatRequest, request, "heartbeat"))
+
+    @_unary
     async def Stats(self, request: bytes, context) -> pb.StatsReply:
         return await self.store.stats(_parse(pb.StatsRequest, request, "stats"))
 

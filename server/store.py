@@ -16,6 +16,7 @@ are ``rounds.py``.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -30,7 +31,7 @@ from shardps.server.errors import (
 )
 from shardps.server.admission import Admission
 from shardps.server.job import Job
-from shardps.server.membership import Membership
+from shardps.server.membership import Member, Membership
 from shardps.server.optimizer import ShardOptimizer, StateError
 from shardps.server.rounds import Rounds
 from shardps.server.state import decode_state, encode_state
@@ -84,7 +85,7 @@ class ShardStore:
         self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
         self._notifier = _Notifier()
         self._closing = False
-        self._members = Membership(config.max_workers)
+        self._members = Membership(config.max_workers, config.lease_seconds)
         self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run)
         self._admission = Admission(config, self._members, self.rounds, self._notifier.notify_all, self._run,
                                     self._check_open)
@@ -92,6 +93,8 @@ class ShardStore:
         self._digest: asyncio.Future | None = None  # the Stats digest being computed, shared by callers
         self._push_bytes = 0
         self._pull_bytes = 0
+        self._lease_watch: asyncio.Task | None = None
+        self._last_wait_log = 0.0
 
     @property
     def version(self) -> int:
@@ -123,8 +126,35 @@ class ShardStore:
         return self._admission.require_job(fingerprint)
 
     async def join(self, request: pb.JoinRequest) -> pb.JoinReply:
-        """Admit a worker (see ``Admission.join``)."""
+        """Admit a worker (see ``Admission.join``); from the first Join on, expired leases are dropped."""
+        if self._lease_watch is None:
+            self._lease_watch = asyncio.get_running_loop().create_task(self._watch_leases())
         return await self._admission.join(request)
+
+    async def _watch_leases(self) -> None:
+        """Drop members whose lease ran out, checking every quarter lease (at most every second)."""
+        tick = min(1.0, self.config.lease_seconds / 4)
+        while not self._closing:
+            await asyncio.sleep(tick)
+            for member in self._members.expire():
+                log.warning("shard %d: worker %s dropped: no call for %.1fs (its lease expired); %d members left",
+                            self.config.shard_index, shown(member.worker_id), self.config.lease_seconds,
+                            len(self._members))
+                self._drop(member)
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """Renew a member's lease; the current membership.
+
+        Raises:
+            InvalidArgument: a malformed id or session.
+            FailedPrecondition: not a member (never joined, left, or its lease expired) or another session.
+        """
+        checks.check_worker_id(request.worker_id, self.config)
+        checks.check_session(request.session)
+        self._check_open()
+        self._members.get(request.worker_id, request.session)
+        return pb.HeartbeatReply(members=self._members.ids(), membership_epoch=self._members.epoch,
+                                 version=self.version, lease_seconds=self.config.lease_seconds)
 
     async def init(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
         """Receive the initial parameters (see ``Admission.init``); returns the version."""
@@ -212,7 +242,9 @@ class ShardStore:
             Unavailable: the shard is shutting down.
         """
         member = self._members.get(worker_id, session)
-        limit = self.config.max_wait_seconds if timeout is None else min(timeout, self.config.max_wait_seconds)
+        # answer a little before the caller's deadline, so that it reads who the round waits for
+        limit = self.config.max_wait_seconds if timeout is None else min(timeout - min(1.0, timeout / 20),
+                                                                          self.config.max_wait_seconds)
         rounds = self.rounds
 
         def failed() -> bool:
@@ -242,7 +274,8 @@ class ShardStore:
         if failed():
             raise member.failed[1]
         if self._members.find(worker_id) is not member:
-            raise Aborted(f"worker {shown(worker_id)} left this shard while it waited")
+            raise Aborted(f"worker {shown(worker_id)} stopped being a member of this shard while it waited (it left, "
+                          f"or its lease expired: no call for {self.config.lease_seconds:g}s): join again")
         job = self._job
         if job is not None and not job.initialised and job.initialiser is None:
             raise Aborted(
@@ -251,6 +284,11 @@ class ShardStore:
             )
         if not done:
             missing = [shown(w) for w in rounds.waiting_for()]
+            now = time.monotonic()
+            if now - self._last_wait_log > 10:  # rate-limited: many waiting calls time out together
+                self._last_wait_log = now
+                log.warning("shard %d: round %d still waits for %s", self.config.shard_index, rounds.version,
+                            missing[:20])
             raise DeadlineExceeded(
                 f"shard {self.config.shard_index} did not reach version {min_version} within {limit:.1f}s "
                 f"(version {rounds.version}, initialised={job is not None and job.initialised}, "
@@ -370,10 +408,14 @@ class ShardStore:
             return len(self._members)
         log.info("shard %d: worker %s left (%d members)", self.config.shard_index, shown(member.worker_id),
                  len(self._members))
+        self._drop(member)
+        return len(self._members)
+
+    def _drop(self, member: Member) -> None:
+        """``member`` is no longer a member (it left or its lease expired): nothing waits for it any more."""
         self._admission.left(member)
         self.rounds.drop(member)
         self._notifier.notify_all()
-        return len(self._members)
 
     async def _digest_of_current(self) -> str:
         """SHA-256 of the version, parameters and optimizer state; one computation shared by concurrent callers."""
@@ -415,9 +457,14 @@ class ShardStore:
             max_workers=self.config.max_workers,
             digest=digest,
             rounds_skipped=self.rounds.skipped,
+            membership_epoch=self._members.epoch,
+            lease_expiries=self._members.expiries,
+            last_round_contributors=self.rounds.last_contributors,
         )
 
     def close(self) -> None:
         """Refuse new work and wake every waiting call (they fail with Unavailable)."""
         self._closing = True
+        if self._lease_watch is not None:
+            self._lease_watch.cancel()
         self._notifier.notify_all()

@@ -2,7 +2,7 @@
 
 Trains a small fixed model on fixed data (worker ``i`` of ``n`` takes its
 slice of every global batch) with ``DistributedOptimizer``, printing
-``joined version=V`` and ``done version=V``; ``--hold`` waits for a line on
+``joined version=V`` and ``step S version=V`` after each step and ``done version=V``; ``--sleep`` slows each step; ``--hold`` waits for a line on
 stdin after joining (so a test can start two processes and hold them both
 joined); ``--out PATH`` saves the final parameters with ``torch.save``.
 Exit code 0 on success, 3 when the shards refused (the message on stderr).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from torch import nn
@@ -41,13 +42,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--hold", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after every step")
+    p.add_argument("--connect-timeout", type=float, default=30.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
     try:
         with DistributedOptimizer(opt, m.named_parameters(), servers=a.servers, worker_id=a.worker_id,
-                                  chunk_bytes=256, rpc_timeout=60.0) as dist:
+                                  chunk_bytes=256, rpc_timeout=60.0, connect_timeout=a.connect_timeout) as dist:
             print(f"joined version={dist.version}", flush=True)
             if a.hold:
                 sys.stdin.readline()
@@ -58,6 +61,8 @@ def main() -> int:
                 dist.zero_grad()
                 nn.functional.cross_entropy(m(x[part]), y[part]).backward()
                 dist.step()
+                print(f"step {step} version={dist.version}", flush=True)
+                time.sleep(a.sleep)
             print(f"done version={dist.version}", flush=True)
     except ShardRpcError as exc:
         print(f"refused: {exc}", file=sys.stderr, flush=True)

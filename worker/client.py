@@ -74,6 +74,11 @@ class ShardClient:
         """Leave the shard as member ``worker_id`` of ``session``."""
         return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
 
+    def heartbeat(self, worker_id: str, session: str, timeout: float) -> pb.HeartbeatReply:
+        """Renew this worker's lease on the shard; the shard's membership."""
+        return self._unary("heartbeat", self.stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, session=session),
+                           timeout)
+
     def stats(self, digest: bool = False) -> pb.StatsReply:
         """The shard's Stats; ``digest`` also hashes its parameters and optimizer state (reads every byte)."""
         return self._unary("stats", self.stub.Stats, pb.StatsRequest(digest=digest))

@@ -13,7 +13,7 @@ worker also hands the global found-inf to the GradScaler, so that
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,3 +90,27 @@ def record_found_inf(scaler: torch.amp.GradScaler, optimizer: object, found_inf:
     state = scaler._per_optimizer_states[id(optimizer)]
     state["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([1.0 if found_inf else 0.0])}
     state["stage"] = OptState.STEPPED
+
+
+def await_decision(rnd, options: RoundOptions, optimizer: object, finish: Callable[[], None]) -> bool:
+    """Wait for the verdict of a round that clips or scales (``rnd``: a ``worker.rounds.Round``); hand it on.
+
+    Returns:
+        Whether the round was skipped (the GradScaler is told it found Inf).
+
+    Raises:
+        ShardRpcError: from ``finish()``, when the round failed before its reports.
+        RuntimeError: a round skipped for overflow without a GradScaler.
+    """
+    if not rnd.wait_decided():
+        finish()  # raises the failure
+        raise RuntimeError("the shards ended the round without a report")
+    if options.scaled:
+        record_found_inf(options.grad_scaler, optimizer, rnd.commit.skip)
+    elif rnd.commit.skip:
+        finish()
+        raise RuntimeError(
+            f"round {rnd.commit.round} was skipped on every shard: the averaged gradient is not finite (float32 "
+            "overflow); lower the learning rate or the loss, or train with a GradScaler"
+        )
+    return rnd.commit.skip

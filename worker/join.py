@@ -8,11 +8,18 @@ refuses loudly. Only then does the named initialiser send Init to every
 shard that told it to; everybody pulls version 0 or later from every
 shard. If the initialiser disappears before initialising (the shards say
 so with ABORTED), the worker joins again and the next worker initialises.
+
+A Join refused with ALREADY_EXISTS (the id is still held by a process that
+crashed and whose lease has not run out yet) is tried again every half
+second for up to ``JoinPlan.patience`` seconds: a restarted worker with the
+same id is then the same member coming back, while a second live process
+using the id keeps being refused (its heartbeats keep the lease).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -38,6 +45,19 @@ class JoinPlan:
     fingerprint: str
     optimizer: pb.OptimizerSpec
     static_digest: str = ""
+    patience: float = 30.0
+
+
+def _join_one(client: ShardClient, request: pb.JoinRequest, patience: float) -> pb.JoinReply:
+    """Join one shard, waiting up to ``patience`` seconds for an id held by a dead process to be freed."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return client.join(request)
+        except ShardRpcError as exc:
+            if exc.code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
@@ -85,7 +105,8 @@ def join_job(
             to ``calls`` (so a failing shard can cancel the others), and returns the version.
 
     Returns:
-        The version received from each shard.
+        ``(versions, lease_seconds)``: the version received from each shard,
+        and the shortest lease the shards grant (heartbeat well within it).
 
     Raises:
         ShardRpcError: a shard refused (its status and message say why).
@@ -99,8 +120,8 @@ def join_job(
         )
 
     for attempt in range(JOIN_ATTEMPTS):
-        first = clients[0].join(request(None))
-        replies = [first, *pool.map(lambda c: c.join(request(first.job)), clients[1:])]
+        first = _join_one(clients[0], request(None), join.patience)
+        replies = [first, *pool.map(lambda c: _join_one(c, request(first.job), join.patience), clients[1:])]
         _check_replies(replies)
         told = [i for i, r in enumerate(replies) if r.initialise]
         if told:
@@ -115,7 +136,7 @@ def join_job(
             wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if not errors:
-            return [f.result() for f in futures]
+            return [f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies)
         # the cause, not a pull this function cancelled because of it
         error = next((e for e in errors if getattr(e, "code", None) != grpc.StatusCode.CANCELLED), errors[0])
         initialiser_gone = isinstance(error, ShardRpcError) and error.code == grpc.StatusCode.ABORTED

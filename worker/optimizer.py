@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,10 +35,11 @@ from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker import state as optimizer_state
 from shardps.worker.client import ShardClient, ShardRpcError
-from shardps.worker.commit import RoundOptions, decide, record_found_inf
+from shardps.worker.commit import RoundOptions, await_decision, decide
 from shardps.worker.join import JoinPlan, join_job
 from shardps.worker.overlap import ForwardWaits
-from shardps.worker.rounds import ParameterSink, Round, init_requests, push_requests
+from shardps.worker.lease import Leases
+from shardps.worker.rounds import GradientEditedError, ParameterSink, Round, init_requests, push_requests
 from shardps.worker.tensors import HyperparamChanges, buffer_infos, static_digest
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 def default_worker_id() -> str:
     """A worker id unique to this process: ``host-pid-random``."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class GradientEditedError(RuntimeError):
-    """A gradient changed after its push to the shards started (the shards would get a mix of both)."""
 
 
 class DistributedOptimizer:
@@ -100,9 +97,13 @@ class DistributedOptimizer:
         push_during_backward: push each gradient from its hook while backward
             runs (default). With False, everything is pushed at ``step()``, so
             gradients may be edited freely in between (no overlap).
+        on_membership_change: called with the member ids (from a background
+            thread) when workers join, leave or are dropped at lease expiry.
         checksum: send a CRC-32 with every gradient chunk.
         rpc_timeout: deadline of every call in seconds.
-        connect_timeout: how long to wait for each shard to answer, seconds.
+        connect_timeout: how long to wait for each shard to answer, seconds;
+            also how long a Join waits for this ``worker_id`` to be freed by a
+            crashed process whose lease has not expired yet.
 
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
@@ -132,6 +133,7 @@ class DistributedOptimizer:
         norm_type: float = 2.0,
         grad_scaler: torch.amp.GradScaler | None = None,
         push_during_backward: bool = True,
+        on_membership_change: Callable[[list[str]], None] | None = None,
         checksum: bool = False,
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
@@ -184,6 +186,7 @@ class DistributedOptimizer:
         self._hooks = []
         self._waits: ForwardWaits | None = None
         self._routed: dict | None = None  # the wrapped optimizer's methods while they are routed here
+        self._leases: Leases | None = None
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
@@ -195,8 +198,9 @@ class DistributedOptimizer:
             ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
-                            static_digest=static_digest(named_map, outside))
-            self.versions = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
+                            static_digest=static_digest(named_map, outside), patience=connect_timeout)
+            self.versions, lease = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
+            self._leases = Leases(self._clients, self.worker_id, self.session, lease, on_membership_change)
         except BaseException:
             self.close()
             raise
@@ -232,8 +236,8 @@ class DistributedOptimizer:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
         if self._round is None:
             self._finish_pull()  # blocking wait, normally a no-op: the forward already waited
-            if self._diverged:
-                raise RuntimeError(self._diverged)
+            if self._diverged or self._leases.lost:
+                raise RuntimeError(self._diverged or self._leases.lost)
             rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
             for shard, client in enumerate(self._clients):
                 requests = push_requests(self._header(self.versions[shard]), rnd.queues[shard], rnd.sent[shard],
@@ -267,20 +271,6 @@ class DistributedOptimizer:
                 )
             self._enqueue(rnd, key, param.grad)
 
-    def _check_edits(self, rnd: Round) -> None:
-        """Raise if a gradient pushed from its hook changed afterwards (the push would carry part of each)."""
-        key = rnd.edited(self._params)
-        if key is not None:
-            for call in rnd.calls:
-                call.cancel()
-            self._round, self._counts = None, dict.fromkeys(self._counts, 0)
-            raise GradientEditedError(
-                f"the gradient of {key!r} changed after its push to the shards started: for clipping pass "
-                "max_grad_norm=... to DistributedOptimizer instead of calling clip_grad_norm_; with a "
-                "GradScaler pass grad_scaler=scaler and call dist.step() (not scaler.unscale_ or scaler.step); "
-                "for other edits between backward() and step(), pass push_during_backward=False"
-            )
-
     def _start_pull(self) -> None:
         """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
         lrs = current_lrs(self._optimizer)
@@ -289,8 +279,11 @@ class DistributedOptimizer:
             raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
         with self._lock:
             rnd = self._open_round()
-            self._check_edits(rnd)
-            rnd.sources.clear()  # the queues hold what is still to be sent; old gradients may be freed
+            try:
+                rnd.check_edits(self._params)
+            except GradientEditedError:
+                self._round, self._counts = None, dict.fromkeys(self._counts, 0)
+                raise
             absent = []
             for key, p in self._params.items():
                 if key not in rnd.pushed:
@@ -343,21 +336,6 @@ class DistributedOptimizer:
             )
         raise error
 
-    def _await_decision(self, rnd: Round) -> None:
-        """In a round that clips or scales: wait for the shards' verdict and hand it to the GradScaler."""
-        if not rnd.wait_decided():
-            self._finish_pull()  # raises the failure
-            raise RuntimeError("the shards ended the round without a report")
-        self.last_step_skipped = rnd.commit.skip
-        if self._options.scaled:
-            record_found_inf(self._options.grad_scaler, self._optimizer, rnd.commit.skip)
-        elif rnd.commit.skip:
-            self._finish_pull()
-            raise RuntimeError(
-                f"round {rnd.commit.round} was skipped on every shard: the averaged gradient is not finite (float32 "
-                "overflow); lower the learning rate or the loss, or train with a GradScaler"
-            )
-
     # ------------------------------------------------------------ public API
     @property
     def param_groups(self) -> list[dict]:
@@ -408,7 +386,7 @@ class DistributedOptimizer:
         self._start_pull()
         rnd = self._pulling
         if rnd.decide is not None:
-            self._await_decision(rnd)
+            self.last_step_skipped = await_decision(rnd, self._options, self._optimizer, self._finish_pull)
         if self._waits is None:
             self._finish_pull()
         # Tell LR schedulers attached to the wrapped optimizer that a step happened.
@@ -466,8 +444,20 @@ class DistributedOptimizer:
         """Each shard's Stats reply, in shard order."""
         return [c.stats() for c in self._clients]
 
+    @property
+    def members(self) -> list[str]:
+        """The job's member ids (averaging order), as shard 0 reported them at the last heartbeat."""
+        return list(self._leases.members) if self._leases else []
+
+    @property
+    def membership_epoch(self) -> int:
+        """Changes whenever a worker joins, leaves or is dropped (shard 0's count; -1 before the first heartbeat)."""
+        return self._leases.epoch if self._leases else -1
+
     def close(self) -> None:
         """Leave every shard (rounds stop waiting for this worker), remove hooks, close channels."""
+        if self._leases is not None:
+            self._leases.stop()
         for h in self._hooks:
             h.remove()
         self._hooks = []

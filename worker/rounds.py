@@ -27,6 +27,10 @@ from shardps.proto.plan import Chunk, PartitionPlan
 from shardps.worker.client import ShardClient
 
 
+class GradientEditedError(RuntimeError):
+    """A gradient changed after its push to the shards started (the shards would get a mix of both)."""
+
+
 class Round:
     """State of one push/pull round trip across all shards.
 
@@ -76,12 +80,23 @@ class Round:
                 return f.exception()
         return None
 
-    def edited(self, params: dict[str, torch.Tensor]) -> str | None:
-        """The first key whose ``.grad`` was replaced or changed in place after its push started, or None."""
+    def check_edits(self, params: dict[str, torch.Tensor]) -> None:
+        """Cancel the round and raise if a ``.grad`` was replaced or changed in place after its push started.
+
+        Raises:
+            GradientEditedError: naming the key and the supported ways to change gradients.
+        """
         for key, (grad, version) in self.sources.items():
             if params[key].grad is not grad or grad._version != version:
-                return key
-        return None
+                for call in self.calls:
+                    call.cancel()
+                raise GradientEditedError(
+                    f"the gradient of {key!r} changed after its push to the shards started: for clipping pass "
+                    "max_grad_norm=... to DistributedOptimizer instead of calling clip_grad_norm_; with a "
+                    "GradScaler pass grad_scaler=scaler and call dist.step() (not scaler.unscale_ or "
+                    "scaler.step); for other edits between backward() and step(), pass push_during_backward=False"
+                )
+        self.sources.clear()  # the queues hold what is still to be sent; old gradients may be freed
 
     def outcome(self) -> tuple[dict[int, int], list[tuple[int, BaseException]]]:
         """Wait for every shard's pull of this round (each bounded by its call's deadline).

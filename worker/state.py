@@ -51,6 +51,7 @@ def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict) -> d
             "(with a GradScaler: DistributedOptimizer(..., grad_scaler=scaler), then dist.step(); scaler.update())"
         )
 
+    step._wrapped_by_lr_sched = True  # what LR schedulers look for (dist.step() tells them a step happened)
     saved = {name: optimizer.__dict__[name] for name in _ROUTED if name in optimizer.__dict__}
     optimizer.state_dict, optimizer.load_state_dict, optimizer.step = state_dict, load_state_dict, step
     return saved

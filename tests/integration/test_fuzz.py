@@ -17,7 +17,7 @@ bit, those of the same job run without fuzzing.
 The shards run with ``--max-workers 3`` (the job's size): a fuzzed Join
 that happens to be valid is then refused instead of joining the job, as an
 operator closes a job's membership. Size: ``SHARDPS_FUZZ_EXAMPLES``
-requests per RPC (default 4,000, so 36,000 in all). Hypothesis draws each
+requests per RPC (default 4,000, so 40,000 in all). Hypothesis draws each
 example's request kinds and seeds the ``Random`` its requests are built
 from (derandomized: the same requests every run).
 """
@@ -46,7 +46,7 @@ from tests.worker_proc import BATCH, data, model
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 4000))
 STEPS = 30
-METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Leave", "Stats")
+METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Heartbeat", "Leave", "Stats")
 STREAMS = ("Init", "Push", "PushPull", "SetState")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 KINDS = ("raw", "mutated", "fields", "seed", "member")
@@ -162,6 +162,7 @@ def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[s
                                      plan_fingerprint=plan.fingerprint).SerializeToString()],
         "SetState": [encode_round(header), *(encode_chunk(c.key, c.offset, torch.ones(c.numel), 0, state="exp_avg")
                                              for c in plan.shard_chunks(shard))],
+        "Heartbeat": [pb.HeartbeatRequest(worker_id="w1", session=session).SerializeToString()],
         "Leave": [pb.LeaveRequest(worker_id="w1", session=session).SerializeToString()],
         "Stats": [pb.StatsRequest(digest=True).SerializeToString()],
     }
@@ -224,6 +225,8 @@ def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
                               worker_id=worker, session=session).SerializeToString()
     if method == "GetState":
         return pb.StateRequest(worker_id=worker, session=session, plan_fingerprint=fprint).SerializeToString()
+    if method == "Heartbeat":
+        return pb.HeartbeatRequest(worker_id=worker, session=session).SerializeToString()
     if method == "Leave":
         return pb.LeaveRequest(worker_id=worker, session=session).SerializeToString()
     return pb.StatsRequest(digest=rng.random() < 0.5).SerializeToString()
@@ -254,6 +257,8 @@ def member_request(method: str, rng, shard: int, fz: FuzzMember):
     if method == "GetState":
         return pb.StateRequest(worker_id=w.worker_id, session=w.session,
                                plan_fingerprint=w.plan.fingerprint).SerializeToString()
+    if method == "Heartbeat":
+        return pb.HeartbeatRequest(worker_id=w.worker_id, session=w.session).SerializeToString()
     if method == "Pull":
         return pb.PullRequest(min_version=rng.choice((0, fz.round)), plan_fingerprint=w.plan.fingerprint,
                               worker_id=w.worker_id, session=w.session, dtype=rng.randrange(4)).SerializeToString()
@@ -303,7 +308,8 @@ def send(channel: grpc.Channel, method: str, request) -> grpc.StatusCode:
 
 
 def test_fuzzing_a_live_shard_changes_nothing(start_cluster) -> None:
-    args = {"min_workers": 3, "extra_args": ("--max-workers", "3")}
+    # a long lease: the raw fuzz member sends no heartbeats, and the two runs must see the same membership
+    args = {"min_workers": 3, "extra_args": ("--max-workers", "3", "--lease-seconds", "600")}
     fuzzed = start_cluster(2, **args)
     job = Job(fuzzed.addresses, gated=True)
     job.start()

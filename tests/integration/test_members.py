@@ -74,7 +74,8 @@ def test_second_process_with_a_live_members_id_is_refused(shard) -> None:
 def test_two_worker_processes_with_one_id_only_one_joins(shard) -> None:
     """Items 1 and 2 with real worker processes: exactly one of two same-id processes joins and initialises."""
     cluster, client, *_ = shard
-    cmd = [sys.executable, "-m", "tests.worker_proc", "--servers", cluster.servers, "--worker-id", "dup", "--hold"]
+    cmd = [sys.executable, "-m", "tests.worker_proc", "--servers", cluster.servers, "--worker-id", "dup", "--hold",
+           "--connect-timeout", "2"]  # how long a Join waits for the id to be freed by a dead process
     procs = [subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     try:
