@@ -132,6 +132,20 @@ class LeaveReply(_message.Message):
     members: int
     def __init__(self, members: _Optional[int] = ...) -> None: ...
 
+class ResetRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ResetReply(_message.Message):
+    __slots__ = ("job_id", "version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class ShardStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/shardps.v1.Shard/Reset',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.ResetRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.ResetReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/shardps.v1.Shard/Heartbeat',
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
@@ -133,6 +138,13 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Drop the job of a shard that has no members (operator command).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Renew a member's lease (workers send it from a background thread).
         """
@@ -194,6 +206,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.LeaveRequest.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.LeaveReply.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.ResetRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.ResetReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -378,6 +395,33 @@ class Shard:
             '/shardps.v1.Shard/Leave',
             shardps_dot_proto_dot_shardps__pb2.LeaveRequest.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Reset',
+            shardps_dot_proto_dot_shardps__pb2.ResetRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.ResetReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -285,3 +285,38 @@ class Admission:
             self.rounds.forget()
             log.info("shard %d: the last member left before initialisation; job %s forgotten",
                      self.config.shard_index, job.job_id)
+
+    def reset(self, job_id: str = "") -> tuple[str, int]:
+        """Drop the job of a shard nobody is a member of (the operator's ``shardps reset``).
+
+        Args:
+            job_id: when not empty, reset only if the shard holds this job.
+
+        Returns:
+            ``(job id dropped, its version)``; ``("", 0)`` if the shard held no job.
+
+        Raises:
+            FailedPrecondition: the shard has members (reset idle shards only), or holds another job.
+            Aborted: a round or an Init is in progress.
+        """
+        job = self.job
+        if len(self._members):
+            raise FailedPrecondition(
+                f"shard {self.config.shard_index} has {len(self._members)} member(s) {self._members.ids()[:20]}: "
+                "reset only idle shards (stop the job's workers first, or wait for their leases to expire)"
+            )
+        if job is None:
+            return "", 0
+        if job_id and job_id != job.job_id:
+            raise FailedPrecondition(f"shard {self.config.shard_index} holds job {job.job_id!r}, not {shown(job_id)}")
+        if self.rounds.applying or job.init_streaming is not None:
+            raise Aborted("a round or an Init is in progress; try again")
+        if job.expiry is not None:
+            job.expiry.cancel()
+        version = self.rounds.version
+        self.job = None
+        self.rounds.reset()
+        log.warning("shard %d: job %s reset at version %d (parameters and optimizer state dropped)",
+                    self.config.shard_index, job.job_id, version)
+        self._notify()
+        return job.job_id, version

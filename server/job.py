@@ -91,7 +91,8 @@ class Job:
             raise FailedPrecondition(
                 f"partition plan fingerprint {shown(request.plan_fingerprint)} differs from this shard's "
                 f"{self.fingerprint!r}: every worker must use the same model, parameter names, param groups, "
-                "number of shards and chunk_bytes"
+                f"number of shards and chunk_bytes. If job {self.job_id!r} on these shards is over, clear them with "
+                "`shardps reset --servers HOST:PORT,...` (once its workers are gone)"
             )
         if request.plan.SerializeToString(deterministic=True) != self.plan_bytes:
             raise InvalidArgument("the plan sent does not match its fingerprint; worker and shard disagree on the plan")

@@ -141,6 +141,13 @@ class Rounds:
         """The job was forgotten before initialisation: drop its buffers."""
         self.table, self.optimizer, self.params, self._spare, self._spare_arenas = None, None, {}, [], []
 
+    def reset(self) -> None:
+        """The job was reset (no members, nothing applying): drop everything, back to version 0."""
+        self.forget()
+        self.buffers = torch.empty(0, dtype=torch.uint8)
+        self.pushed.clear()
+        self.version = self.applied = self.skipped = self.last_contributors = self.state_bytes = 0
+
     def waiting_for(self) -> list[str]:
         """Members whose push of the open round has not been accepted, in id order."""
         return [w for w in self._members.ids() if w not in self.pushed]

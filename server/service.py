@@ -184,6 +184,10 @@ class ShardServicer:
         return pb.LeaveReply(members=self.store.leave(_parse(pb.LeaveRequest, request, "leave")))
 
     @_unary
+    async def Reset(self, request: bytes, context) -> pb.ResetReply:
+        return self.store.reset(_parse(pb.ResetRequest, request, "reset"))
+
+    @_unary
     async def Heartbeat(self, request: bytes, context) -> pb.HeartbeatReply:
         return self.store.heartbeat(_parse(pb.HeartbeatRequest, request, "heartbeat"))
 

@@ -142,6 +142,15 @@ class ShardStore:
                             len(self._members))
                 self._drop(member)
 
+    def reset(self, request: pb.ResetRequest) -> pb.ResetReply:
+        """Drop the job of an idle shard (see ``Admission.reset``)."""
+        self._check_open()
+        if len(request.job_id) > 64:
+            raise InvalidArgument("job_id has at most 64 characters")
+        job_id, version = self._admission.reset(request.job_id)
+        self._digest = None
+        return pb.ResetReply(job_id=job_id, version=version)
+
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """Renew a member's lease; the current membership.
 

@@ -23,9 +23,9 @@ from shardps.worker.optimizer import DistributedOptimizer
 BATCH = 12
 
 
-def model() -> nn.Module:
+def model(width: int = 40) -> nn.Module:
     torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(16, 40), nn.Tanh(), nn.Linear(40, 5))
+    return nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 5))
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,14 +44,15 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after every step")
     p.add_argument("--connect-timeout", type=float, default=30.0)
+    p.add_argument("--width", type=int, default=40, help="hidden width (another width is another model)")
     a = p.parse_args()
     torch.set_num_threads(1)
-    m = model()
+    m = model(a.width)
     opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
     try:
         with DistributedOptimizer(opt, m.named_parameters(), servers=a.servers, worker_id=a.worker_id,
                                   chunk_bytes=256, rpc_timeout=60.0, connect_timeout=a.connect_timeout) as dist:
-            print(f"joined version={dist.version}", flush=True)
+            print(f"joined version={dist.version} resumed={dist.resumed}", flush=True)
             if a.hold:
                 sys.stdin.readline()
             per = BATCH // a.workers

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--report", type=Path, help="write a JSON report to this path")
     s = sub.add_parser("stats", help="print each shard's Stats as JSON")
     s.add_argument("--servers", type=_servers, required=True, help="shards host:port,... in shard order")
+    r = sub.add_parser("reset", help="drop the job held by idle shards (parameters and optimizer state)")
+    r.add_argument("--servers", type=_servers, required=True, help="shards host:port,... in shard order")
+    r.add_argument("--job-id", default="", help="reset only shards that hold this job")
     return p
 
 
@@ -82,12 +85,33 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reset(args: argparse.Namespace) -> int:
+    """Reset every shard; a line per shard; exit 1 if any refused (a busy shard is left as it was)."""
+    from shardps.worker.client import ShardClient, ShardRpcError
+
+    failed = 0
+    for i, address in enumerate(args.servers):
+        client = ShardClient(address, index=i, connect_timeout=10.0, rpc_timeout=10.0)
+        try:
+            reply = client.reset(args.job_id)
+            print(f"shard {i} ({address}): " + (f"job {reply.job_id} dropped at version {reply.version}"
+                                               if reply.job_id else "held no job"))
+        except ShardRpcError as exc:
+            failed += 1
+            print(f"shard {i} ({address}): not reset: {exc.details}", file=sys.stderr)
+        finally:
+            client.close()
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "train":
             return _train_digits(args)
+        if args.command == "reset":
+            return _reset(args)
         return _stats(args)
     except (ValueError, RuntimeError, ConnectionError) as exc:
         print(f"shardps: error: {exc}", file=sys.stderr)

@@ -74,6 +74,10 @@ class ShardClient:
         """Leave the shard as member ``worker_id`` of ``session``."""
         return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
 
+    def reset(self, job_id: str = "") -> pb.ResetReply:
+        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise)."""
+        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id))
+
     def heartbeat(self, worker_id: str, session: str, timeout: float) -> pb.HeartbeatReply:
         """Renew this worker's lease on the shard; the shard's membership."""
         return self._unary("heartbeat", self.stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, session=session),

@@ -190,6 +190,7 @@ class DistributedOptimizer:
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
+        self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         try:
             self._clients = list(self._pool.map(
                 lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
@@ -201,6 +202,10 @@ class DistributedOptimizer:
                             static_digest=static_digest(named_map, outside), patience=connect_timeout)
             self.versions, lease = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
             self._leases = Leases(self._clients, self.worker_id, self.session, lease, on_membership_change)
+            self.resumed = min(self.versions) > 0
+            if self.resumed:
+                log.warning("worker %s resumes the job the shards hold, at version %d (not from its own "
+                            "parameters); `shardps reset` clears idle shards", self.worker_id, min(self.versions))
         except BaseException:
             self.close()
             raise

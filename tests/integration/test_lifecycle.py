@@ -1,0 +1,66 @@
+"""Job lifecycle: the same job resumes (and the worker is told), another job is refused until `shardps reset`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from shardps.worker.client import ShardClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_worker(servers: str, worker_id: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", worker_id,
+         "--steps", str(steps), "--connect-timeout", "2", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+
+
+def reset(servers: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardps.worker.cli", "reset", "--servers", servers],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def versions(cluster) -> list[int]:
+    out = []
+    for i, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=i)
+        out.append(client.stats().version)
+        client.close()
+    return out
+
+
+def test_resume_refuse_reset(start_cluster) -> None:
+    cluster = start_cluster(2)
+    first = run_worker(cluster.servers, "w0", 3)
+    assert first.returncode == 0 and "joined version=0 resumed=False" in first.stdout, first.stderr[-2000:]
+
+    again = run_worker(cluster.servers, "w0", 2)  # the same job, run again: it resumes, and says so
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "joined version=3 resumed=True" in again.stdout and "done version=5" in again.stdout
+    assert "resumes the job the shards hold, at version 3" in again.stderr
+
+    other = run_worker(cluster.servers, "w0", 2, "--width", "30")  # another model on busy shards
+    assert other.returncode == 3 and "shardps reset --servers" in other.stderr, other.stderr[-2000:]
+    assert versions(cluster) == [5, 5], "a refused job changes nothing"
+
+    held = subprocess.Popen(
+        [sys.executable, "-m", "tests.worker_proc", "--servers", cluster.servers, "--worker-id", "w9", "--hold"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().startswith("joined version=5")  # blocking: the worker joined
+        busy = reset(cluster.servers)
+        assert busy.returncode == 1 and "reset only idle shards" in busy.stderr, busy.stderr
+        assert versions(cluster) == [5, 5]
+    finally:
+        held.communicate("\n", timeout=60)
+
+    done = reset(cluster.servers)
+    assert done.returncode == 0 and done.stdout.count("dropped at version 5") == 2, done.stdout + done.stderr
+    assert versions(cluster) == [0, 0]
+    fresh = run_worker(cluster.servers, "w0", 2, "--width", "30")  # after the reset the new job runs
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert "joined version=0 resumed=False" in fresh.stdout and "done version=2" in fresh.stdout
