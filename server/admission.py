@@ -15,6 +15,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import torch
+
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.optim import OptimizerSpecError, check_shardable, parse_hyperparams
 from shardps.proto.plan import PartitionPlan
@@ -320,3 +322,42 @@ class Admission:
                     self.config.shard_index, job.job_id, version)
         self._notify()
         return job.job_id, version
+
+    async def restore(self, snap) -> None:
+        """Rebuild the job from a checkpoint (``server.checkpoint.Snapshot``) before the shard serves.
+
+        Raises:
+            ValueError: the checkpoint does not fit this shard (another shard count or index, bad state).
+        """
+        cfg = self.config
+        plan_spec, spec = pb.PlanSpec.FromString(snap.plan), pb.OptimizerSpec.FromString(snap.spec)
+        if plan_spec.num_shards != cfg.num_shards:
+            raise ValueError(f"the checkpoint is of a job with {plan_spec.num_shards} shards, not {cfg.num_shards}")
+        hyperparams = _hyperparams_without_lr(spec)
+
+        def build():
+            plan = PartitionPlan.from_proto(plan_spec)
+            table = ChunkTable(plan, cfg.shard_index)
+            params = snap.params()
+            if sorted(params) != sorted(table.allocate()) or any(
+                    params[g].numel() != t.numel() for g, t in table.allocate().items()):
+                raise ValueError("the checkpoint's parameters do not fit this shard's part of its plan")
+            optimizer = ShardOptimizer(spec, params, table.key_slices)
+            optimizer.load_state(snap.states())
+            optimizer.set_hyperparams([snap.hyperparams.get(g, {}) for g in range(len(hyperparams))])
+            job = Job(table=table, plan_bytes=plan_spec.SerializeToString(deterministic=True), spec=spec,
+                      hyperparams=hyperparams,
+                      num_groups=len(hyperparams), state_buffers=ShardOptimizer.trial(spec),
+                      static_digest=snap.static_digest)
+            return job, optimizer, params
+
+        job, optimizer, params = await self._run(build)
+        if job.fingerprint != snap.fingerprint:
+            raise ValueError("the checkpoint's plan does not match its fingerprint")
+        buffers = snap.tensors.get("buffers", torch.empty(0, dtype=torch.uint8))
+        self.rounds.start(job.table, optimizer, params, buffers.clone(), [set(hp) for hp in job.hyperparams])
+        self.rounds.version = snap.version
+        job.job_id, job.initialised, job.initialised_by = snap.job_id, True, snap.initialised_by
+        self.job = job
+        log.warning("shard %d: restored job %s at version %d from a checkpoint", cfg.shard_index, job.job_id,
+                    snap.version)

@@ -46,6 +46,14 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
                    help=f"seconds the initialising worker has to send Init (default {d.init_timeout_seconds:.0f})")
     p.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
                    help=f"a worker silent this long (no heartbeat, no call) is dropped (default {d.lease_seconds:.0f})")
+    p.add_argument("--checkpoint-dir", default="",
+                   help="write checkpoints to DIR/shard-INDEX and restore the newest intact one at start")
+    p.add_argument("--checkpoint-every-rounds", type=int, default=0, help="checkpoint every N rounds (0: off)")
+    p.add_argument("--checkpoint-every-seconds", type=float, default=0.0, help="checkpoint every T seconds (0: off)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help=f"checkpoints kept (default {d.keep_checkpoints})")
+    p.add_argument("--restore-version", type=int, default=0,
+                   help="restore the newest checkpoint of at most this version (default: the newest)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="gRPC message limit in bytes (default 8 MiB)")
     p.add_argument("--max-wait-seconds", type=float, default=d.max_wait_seconds,
@@ -60,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             shard_index=a.shard_index, num_shards=a.num_shards, host=a.host, port=a.port,
             min_workers=a.min_workers, max_workers=a.max_workers, max_waiting=a.max_waiting,
             max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
+            checkpoint_dir=a.checkpoint_dir, checkpoint_every_rounds=a.checkpoint_every_rounds,
+            checkpoint_every_seconds=a.checkpoint_every_seconds, keep_checkpoints=a.keep_checkpoints,
+            restore_version=a.restore_version,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
             grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
         )
@@ -76,6 +87,7 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
     torch.set_num_threads(1)  # one optimizer thread per shard; shards share the node's cores
     store = ShardStore(config)
     health_servicer = health.aio.HealthServicer()
+    await store.checkpoints.restore()  # the newest intact checkpoint of --checkpoint-dir, if any
     server, port = await create_server(config, store, health_servicer)
     await server.start()
     store.warm_up()
@@ -85,6 +97,7 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
     log.info("shard %d: stopping (version %d)", config.shard_index, store.version)
     await health_servicer.enter_graceful_shutdown()
     store.close()
+    await store.checkpoints.final()  # every round applied so far
     await server.stop(config.grace_seconds)
     log.info("shard %d: stopped", config.shard_index)
 

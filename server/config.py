@@ -58,6 +58,14 @@ class ShardConfig:
             start its Init (the clock stops while the stream is received);
             after it, the next Join takes the role over and waiting pulls are
             told to join again.
+        checkpoint_dir: where checkpoints go (``<dir>/shard-<index>``); empty: none.
+            A shard started on a directory holding checkpoints restores the newest intact one.
+        checkpoint_every_rounds, checkpoint_every_seconds: write a checkpoint
+            when this many rounds or seconds passed since the last (0: never);
+            and always on SIGTERM.
+        keep_checkpoints: how many checkpoints to keep.
+        restore_version: restore the newest checkpoint of at most this version
+            (0: the newest), e.g. the version every shard of the job still has.
         lease_seconds: a member that makes no call (workers send a Heartbeat
             every third of it) for this long is dropped, as if it had left:
             the open round stops waiting for it.
@@ -82,6 +90,11 @@ class ShardConfig:
     memory_budget_bytes: int = field(default_factory=default_memory_budget_bytes)
     init_timeout_seconds: float = 60.0
     lease_seconds: float = 10.0
+    checkpoint_dir: str = ""
+    checkpoint_every_rounds: int = 0
+    checkpoint_every_seconds: float = 0.0
+    keep_checkpoints: int = 3
+    restore_version: int = 0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -96,6 +109,10 @@ class ShardConfig:
             raise ValueError(f"max_message_bytes must be >= {2 * FRAME_OVERHEAD_BYTES}, got {self.max_message_bytes}")
         if self.max_wait_seconds <= 0 or self.grace_seconds < 0 or self.init_timeout_seconds <= 0:
             raise ValueError("max_wait_seconds and init_timeout_seconds must be > 0 and grace_seconds >= 0")
+        if min(self.checkpoint_every_rounds, self.checkpoint_every_seconds, self.restore_version) < 0 or \
+                self.keep_checkpoints < 1:
+            raise ValueError("checkpoint_every_rounds, checkpoint_every_seconds and restore_version must be >= 0, "
+                             "keep_checkpoints >= 1")
         if not 0.5 <= self.lease_seconds <= 3600:
             raise ValueError(f"lease_seconds must be in [0.5, 3600], got {self.lease_seconds}")
         if self.max_workers < self.min_workers:

@@ -29,7 +29,8 @@ from shardps.server.checks import shown
 from shardps.server.chunks import ChunkTable
 from shardps.server.errors import FailedPrecondition, InvalidArgument
 
-_RESET_FIX = "restore the shards from a checkpoint, or restart every shard of the job to begin a new one"
+_RESET_FIX = ("restart the lost shard on its --checkpoint-dir (it restores its newest checkpoint), or clear every "
+              "shard with `shardps reset --servers ...` to begin a new job")
 
 
 @dataclass(eq=False, kw_only=True)

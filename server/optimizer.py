@@ -153,6 +153,14 @@ class ShardOptimizer:
         for local, g in enumerate(self.groups):
             self.optimizer.param_groups[local].update({k: v for k, v in groups[g].items() if k not in _IMPL_KEYS})
 
+    def hyperparams(self) -> dict[int, dict]:
+        """``{group: {name: value}}`` of the groups this shard steps, as the next round would use them (JSON-able)."""
+        if self.optimizer is None:
+            return {}
+        return {g: {k: list(v) if isinstance(v, tuple) else v for k, v in self.optimizer.param_groups[local].items()
+                    if k not in _IMPL_KEYS}
+                for local, g in enumerate(self.groups)}
+
     def _present_grads(self, grads: dict[int, torch.Tensor], present: Collection[int]) -> list[torch.Tensor]:
         return [grads[self.slices[k][0]][self.slices[k][1]:self.slices[k][2]] for k in sorted(present)
                 if k in self.slices]

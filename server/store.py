@@ -16,14 +16,15 @@ are ``rounds.py``.
 from __future__ import annotations
 
 import asyncio
-import time
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import FLOAT_DTYPES
 from shardps.server import checks
+from shardps.server.checkpointing import Checkpoints
 from shardps.server.checks import shown
 from shardps.server.config import ShardConfig
 from shardps.server.errors import (
@@ -94,6 +95,7 @@ class ShardStore:
         self._push_bytes = 0
         self._pull_bytes = 0
         self._lease_watch: asyncio.Task | None = None
+        self.checkpoints = Checkpoints(self)
         self._last_wait_log = 0.0
 
     @property
@@ -469,6 +471,8 @@ class ShardStore:
             membership_epoch=self._members.epoch,
             lease_expiries=self._members.expiries,
             last_round_contributors=self.rounds.last_contributors,
+            checkpoint_version=self.checkpoints.latest[0],
+            checkpoint_unix_seconds=self.checkpoints.latest[1],
         )
 
     def close(self) -> None:

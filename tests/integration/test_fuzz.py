@@ -17,7 +17,7 @@ bit, those of the same job run without fuzzing.
 The shards run with ``--max-workers 3`` (the job's size): a fuzzed Join
 that happens to be valid is then refused instead of joining the job, as an
 operator closes a job's membership. Size: ``SHARDPS_FUZZ_EXAMPLES``
-requests per RPC (default 4,000, so 40,000 in all). Hypothesis draws each
+requests per RPC (default 5,000, so 55,000 in all). Hypothesis draws each
 example's request kinds and seeds the ``Random`` its requests are built
 from (derandomized: the same requests every run).
 """
@@ -44,9 +44,9 @@ from shardps.worker.optimizer import DistributedOptimizer
 from tests.raw import SERVING, RawWorker, health_status, plan_and_spec
 from tests.worker_proc import BATCH, data, model
 
-EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 4000))
+EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 5000))
 STEPS = 30
-METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Heartbeat", "Leave", "Stats")
+METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Heartbeat", "Reset", "Leave", "Stats")
 STREAMS = ("Init", "Push", "PushPull", "SetState")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 KINDS = ("raw", "mutated", "fields", "seed", "member")
@@ -163,6 +163,7 @@ def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[s
         "SetState": [encode_round(header), *(encode_chunk(c.key, c.offset, torch.ones(c.numel), 0, state="exp_avg")
                                              for c in plan.shard_chunks(shard))],
         "Heartbeat": [pb.HeartbeatRequest(worker_id="w1", session=session).SerializeToString()],
+        "Reset": [pb.ResetRequest(job_id="j").SerializeToString()],  # refused: the job has members
         "Leave": [pb.LeaveRequest(worker_id="w1", session=session).SerializeToString()],
         "Stats": [pb.StatsRequest(digest=True).SerializeToString()],
     }
@@ -227,6 +228,8 @@ def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
         return pb.StateRequest(worker_id=worker, session=session, plan_fingerprint=fprint).SerializeToString()
     if method == "Heartbeat":
         return pb.HeartbeatRequest(worker_id=worker, session=session).SerializeToString()
+    if method == "Reset":
+        return pb.ResetRequest(job_id=rng.choice(("", "j", "x" * 100))).SerializeToString()
     if method == "Leave":
         return pb.LeaveRequest(worker_id=worker, session=session).SerializeToString()
     return pb.StatsRequest(digest=rng.random() < 0.5).SerializeToString()

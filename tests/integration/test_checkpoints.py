@@ -1,0 +1,93 @@
+"""Shard checkpoints: SIGTERM writes one with every applied round, a restart restores it bit for bit.
+
+Real shard processes with ``--checkpoint-dir``, stopped with SIGTERM and
+started again on the same directory; a real worker process trains, then
+resumes the restored job.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardps.worker.client import ShardClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_worker(servers: str, steps: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", "w0", "--steps", str(steps)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+
+
+def shard_stats(cluster) -> list:
+    out = []
+    for i, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=i)
+        out.append(client.stats(digest=True))
+        client.close()
+    return out
+
+
+def trained(start_cluster, ckpt: Path):
+    """Two shards checkpointing every 4 rounds, trained 10 rounds by one worker; their Stats at version 10."""
+    args = ("--checkpoint-dir", str(ckpt), "--checkpoint-every-rounds", "4", "--keep-checkpoints", "3")
+    cluster = start_cluster(2, extra_args=args)
+    proc = run_worker(cluster.servers, 10)
+    assert proc.returncode == 0 and "done version=10" in proc.stdout, proc.stderr[-2000:]
+    before = shard_stats(cluster)
+    assert [s.version for s in before] == [10, 10]
+    assert cluster.stop() == [0, 0]  # SIGTERM: a final checkpoint, then a clean exit
+    return args, before
+
+
+def test_sigterm_checkpoint_is_restored_bit_for_bit_and_the_job_resumes(start_cluster, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args, before = trained(start_cluster, ckpt)
+    for shard in range(2):  # rounds 4 and 8 on schedule, 10 at SIGTERM; the newest 3 kept
+        names = sorted(p.name for p in (ckpt / f"shard-{shard}").glob("*.json"))
+        assert names == [f"checkpoint-{v:012d}.json" for v in (4, 8, 10)]
+    cluster = start_cluster(2, extra_args=args)
+    after = shard_stats(cluster)
+    assert [s.version for s in after] == [10, 10] and [s.checkpoint_version for s in after] == [10, 10]
+    assert [s.digest for s in after] == [s.digest for s in before], "parameters and optimizer state differ"
+    assert [s.job_id for s in after] == [s.job_id for s in before]
+    proc = run_worker(cluster.servers, 3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "joined version=10 resumed=True" in proc.stdout and "done version=13" in proc.stdout
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest"])
+def test_a_damaged_newest_checkpoint_is_skipped(start_cluster, tmp_path: Path, damage: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    args, _ = trained(start_cluster, ckpt)
+    for shard in range(2):
+        newest = ckpt / f"shard-{shard}" / f"checkpoint-{10:012d}"
+        data = newest.with_suffix(".safetensors")
+        if damage == "flip":
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            data.write_bytes(bytes(raw))
+        elif damage == "truncate":
+            data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        else:
+            newest.with_suffix(".json").unlink()
+    cluster = start_cluster(2, extra_args=args)
+    assert [s.version for s in shard_stats(cluster)] == [8, 8]
+    if damage != "no-manifest":
+        assert "skipping checkpoint" in cluster.log_path(0).read_text()
+    proc = run_worker(cluster.servers, 2)
+    assert proc.returncode == 0 and "done version=10" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_an_older_version_can_be_restored_on_request(start_cluster, tmp_path: Path) -> None:
+    """After a SIGKILL the shards' newest checkpoints may differ: --restore-version picks one they all have."""
+    ckpt = tmp_path / "ckpt"
+    args, _ = trained(start_cluster, ckpt)
+    cluster = start_cluster(2, extra_args=(*args, "--restore-version", "9"))
+    assert [s.version for s in shard_stats(cluster)] == [8, 8]
