@@ -243,20 +243,22 @@ class ChunkHeader(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled")
+    __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled", "check_only")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PULL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SCALED_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     round: int
     plan_fingerprint: str
     pull_dtype: DType
     session: str
     scaled: bool
-    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ...) -> None: ...
+    check_only: bool
+    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class RoundTrailer(_message.Message):
     __slots__ = ("lrs", "group_hyperparams_json", "absent_keys", "inv_scale", "max_grad_norm", "norm_type")

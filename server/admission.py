@@ -339,8 +339,7 @@ class Admission:
             plan = PartitionPlan.from_proto(plan_spec)
             table = ChunkTable(plan, cfg.shard_index)
             params = snap.params()
-            if sorted(params) != sorted(table.allocate()) or any(
-                    params[g].numel() != t.numel() for g, t in table.allocate().items()):
+            if {g: t.numel() for g, t in params.items()} != table.group_sizes:
                 raise ValueError("the checkpoint's parameters do not fit this shard's part of its plan")
             optimizer = ShardOptimizer(spec, params, table.key_slices)
             optimizer.load_state(snap.states())
@@ -355,7 +354,9 @@ class Admission:
         if job.fingerprint != snap.fingerprint:
             raise ValueError("the checkpoint's plan does not match its fingerprint")
         buffers = snap.tensors.get("buffers", torch.empty(0, dtype=torch.uint8))
-        self.rounds.start(job.table, optimizer, params, buffers.clone(), [set(hp) for hp in job.hyperparams])
+        if buffers.numel() != job.table.buffer_bytes:
+            raise ValueError("the checkpoint's buffers do not fit this shard's part of its plan")
+        self.rounds.start(job.table, optimizer, params, buffers, [set(hp) for hp in job.hyperparams])
         self.rounds.version = snap.version
         job.job_id, job.initialised, job.initialised_by = snap.job_id, True, snap.initialised_by
         self.job = job

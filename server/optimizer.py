@@ -165,18 +165,6 @@ class ShardOptimizer:
         return [grads[self.slices[k][0]][self.slices[k][1]:self.slices[k][2]] for k in sorted(present)
                 if k in self.slices]
 
-    def check_average(self, grads: dict[int, torch.Tensor], present: Collection[int]) -> None:
-        """Refuse a round whose averaged gradient is not finite (the workers' finite sum overflowed float32).
-
-        Raises:
-            RoundRefused: naming the first key with Inf or NaN in its average.
-        """
-        for k in sorted(present):
-            if k in self.slices:
-                g, start, end = self.slices[k]
-                if not _finite(grads[g][start:end]):
-                    raise RoundRefused("the averaged gradient is not finite (the workers' sum overflows float32)", k)
-
     def report(self, grads: dict[int, torch.Tensor], present: Collection[int], inv_scale: float,
                norm_type: float) -> tuple[float, bool]:
         """Unscale the averaged gradient in place and measure this shard's part of its norm.
@@ -301,11 +289,15 @@ class ShardOptimizer:
         finally:
             for p in params:
                 p.grad = None
-        for (k, start, end, _, _), p in zip(batch, params):
-            if not _finite(p):
-                raise RoundRefused("the update would make the parameters non-finite", k)
-            if not all(_finite(v) for v in _per_element(trial.state[p], end - start).values()):
-                raise RoundRefused("the update would make the optimizer state non-finite", k)
+        for (k, start, end, view, _), p in zip(batch, params):
+            state_finite = all(_finite(v) for v in _per_element(trial.state[p], end - start).values())
+            if _finite(p) and state_finite:
+                continue
+            # why (only on this failure path: a finite round pays for no extra pass over the gradient)
+            if not _finite(view.grad[start:end]):
+                raise RoundRefused("the averaged gradient is not finite (the workers' sum overflows float32)", k)
+            what = "optimizer state" if _finite(p) else "parameters"
+            raise RoundRefused(f"the update would make the {what} non-finite", k)
         trial.state.clear()
 
     # ------------------------------------------------------------------ state

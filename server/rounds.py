@@ -275,8 +275,6 @@ class Rounds:
 
             def average_and_report() -> None:
                 average_(closed.grads)
-                if not closed.needs_commit and self.config.reject_nonfinite:
-                    self.optimizer.check_average(closed.grads[0], closed.present)
                 if closed.needs_commit:
                     part, found = self.optimizer.report(closed.grads[0], closed.present, lead.inv_scale, norm_type)
                     closed.report = pb.RoundReport(round=closed.number, norm_part=part, found_inf=found)

@@ -88,19 +88,25 @@ async def _stopped(context: grpc.aio.ServicerContext, method: str) -> None:
     await _abort(context, method, error)
 
 
+async def _fail(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    """End a call whose handler raised ``exc`` with the right status (see the module docstring)."""
+    if isinstance(exc, asyncio.CancelledError):
+        await _stopped(context, method)
+    elif isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    else:
+        await _abort(context, method, exc)
+
+
 def _unary(method):
-    """Map a unary-response handler's errors to statuses (see the module docstring)."""
+    """Map a unary-response handler's errors to statuses."""
 
     @functools.wraps(method)
     async def handler(self, request, context):
         try:
             return await method(self, request, context)
-        except asyncio.CancelledError:
-            await _stopped(context, method.__name__)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, method.__name__, exc)
+        except (asyncio.CancelledError, Exception) as exc:
+            await _fail(context, method.__name__, exc)
 
     return handler
 
@@ -113,12 +119,8 @@ def _streaming(method):
         try:
             async for item in method(self, request, context):
                 yield item
-        except asyncio.CancelledError:
-            await _stopped(context, method.__name__)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, method.__name__, exc)
+        except (asyncio.CancelledError, Exception) as exc:
+            await _fail(context, method.__name__, exc)
 
     return handler
 

@@ -363,7 +363,9 @@ class ShardStore:
 
         The state changes only between rounds (no push of the open round
         accepted yet); a state equal to the current one is accepted any time,
-        so every worker of a job may load the same checkpoint.
+        so every worker of a job may load the same checkpoint. With
+        ``header.check_only`` the state is checked (and whether it may be
+        loaded now) and nothing changes: the worker checks every shard first.
 
         Raises:
             InvalidArgument: malformed or incomplete frames, entries the optimizer does not keep.
@@ -381,8 +383,9 @@ class ShardStore:
         table, optimizer = self._job.table, self.rounds.optimizer
         try:
             states = await self._run(decode_state, table, optimizer, decoded)
-            if self.rounds.applying or self.rounds.pushed:
-                if await self._run(optimizer.load_state, states, True):  # only compare
+            if self.rounds.applying or self.rounds.pushed or header.check_only:
+                changed = await self._run(optimizer.load_state, states, True)  # checks and compares only
+                if changed and (self.rounds.applying or self.rounds.pushed):
                     raise Aborted("a round is in progress: load optimizer state between rounds (before pushing)")
                 return self.version
             await self._run(optimizer.load_state, states)

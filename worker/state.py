@@ -119,6 +119,10 @@ def load(clients: Sequence[ShardClient], pool: ThreadPoolExecutor, header: pb.Ro
          optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], state_dict: dict) -> None:
     """Send ``state_dict`` (torch.optim's format) to the shards and take its hyperparameters.
 
+    Two passes: every shard checks the state, then every shard loads it, so
+    a state that one shard refuses (an entry its optimizer does not keep, a
+    round in progress) changes no shard.
+
     Raises:
         ValueError: ``state_dict`` does not fit ``optimizer`` (groups, parameters, shapes).
         ShardRpcError: a shard refused it (a round in progress, entries the optimizer does not keep).
@@ -148,8 +152,11 @@ def load(clients: Sequence[ShardClient], pool: ThreadPoolExecutor, header: pb.Ro
                                      f"the parameter {tuple(shape)}")
             by_key[key] = entries
 
-    def frames_for(shard: int):
-        yield encode_round(header)
+    def frames_for(shard: int, check_only: bool):
+        checked = pb.RoundHeader()
+        checked.CopyFrom(header)
+        checked.check_only = check_only
+        yield encode_round(checked)
         held = {c.key for c in plan.shard_chunks(shard)}
         for key, entries in by_key.items():
             if key not in held:
@@ -163,6 +170,8 @@ def load(clients: Sequence[ShardClient], pool: ThreadPoolExecutor, header: pb.Ro
                     if c.key == key:
                         yield encode_chunk(key, c.offset, value[c.offset : c.offset + c.numel], 0, state=name)
 
-    list(pool.map(lambda c: c.set_state(frames_for(c.index)), clients))
+    # every shard checks first, so that a state one shard refuses is loaded by none
+    for check_only in (True, False):
+        list(pool.map(lambda c: c.set_state(frames_for(c.index, check_only)), clients))
     for saved, live in zip(groups, optimizer.param_groups):  # torch.optim semantics: hyperparameters come too
         live.update({k: v for k, v in saved.items() if k != "params"})

@@ -8,30 +8,20 @@ resumes the restored job.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from shardps.worker.client import ShardClient
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.procs import run_worker as run_process
+from tests.procs import shard_stats as stats_of
 
 
 def run_worker(servers: str, steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", "w0", "--steps", str(steps)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    return run_process(servers, "w0", "--steps", str(steps))
 
 
 def shard_stats(cluster) -> list:
-    out = []
-    for i, address in enumerate(cluster.addresses):
-        client = ShardClient(address, index=i)
-        out.append(client.stats(digest=True))
-        client.close()
-    return out
+    return stats_of(cluster.addresses, digest=True)
 
 
 def trained(start_cluster, ckpt: Path):
@@ -91,3 +81,15 @@ def test_an_older_version_can_be_restored_on_request(start_cluster, tmp_path: Pa
     args, _ = trained(start_cluster, ckpt)
     cluster = start_cluster(2, extra_args=(*args, "--restore-version", "9"))
     assert [s.version for s in shard_stats(cluster)] == [8, 8]
+
+
+@pytest.mark.parametrize("num_shards, extra, message", [
+    (3, (), "checkpoint is of a job with 2 shards, not 3"),  # the shard count changed
+    (2, ("--restore-version", "3"), "no intact checkpoint of version <= 3"),  # 3 is older than any kept
+])
+def test_a_checkpoint_that_cannot_be_restored_stops_the_shard(start_cluster, tmp_path: Path, num_shards: int,
+                                                              extra: tuple, message: str) -> None:
+    """Never serve something other than asked: the shard exits with the reason instead of starting empty."""
+    args, _ = trained(start_cluster, tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match=message):
+        start_cluster(num_shards, extra_args=(*args, *extra))

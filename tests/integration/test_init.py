@@ -6,10 +6,7 @@ worker processes (``tests.worker_proc``) join them.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,41 +14,24 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker.client import ShardClient, ShardRpcError
+from tests.procs import run_worker, shard_stats
 from tests.raw import RawWorker, plan_and_spec
 from tests.worker_proc import model
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_worker(servers: str, worker_id: str, steps: int, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", worker_id,
-         "--steps", str(steps)],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def stats(address: str, index: int) -> pb.StatsReply:
-    client = ShardClient(address, index=index)
-    try:
-        return client.stats()
-    finally:
-        client.close()
 
 
 def test_a_shard_that_lost_its_state_is_never_reinitialised(start_cluster) -> None:
     """Item 7: a restarted empty shard beside trained ones makes joining fail loudly, on both sides."""
     cluster = start_cluster(2)
-    assert run_worker(cluster.servers, "w0", steps=3).returncode == 0
-    trained = stats(cluster.addresses[0], 0)
+    assert run_worker(cluster.servers, "w0", "--steps", "3").returncode == 0
+    trained = shard_stats(cluster.addresses)[0]
     assert trained.version == 3
 
     cluster.restart(1)  # shard 1 comes back empty
-    proc = run_worker(cluster.servers, "w1", steps=1)
+    proc = run_worker(cluster.servers, "w1", "--steps", "1")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "shard 1 holds no state but shard 0 of job" in proc.stderr
     assert "lost its partition" in proc.stderr and "FAILED_PRECONDITION" in proc.stderr
-    s0, s1 = stats(cluster.addresses[0], 0), stats(cluster.addresses[1], 1)
+    s0, s1 = shard_stats(cluster.addresses)
     assert s0.version == 3 and list(s0.members) == [] and s0.job_id == trained.job_id  # untouched, w1 left
     assert s1.plan_fingerprint == "" and not s1.initialised and list(s1.members) == []  # nothing was accepted
 
@@ -80,23 +60,23 @@ def test_a_shard_that_lost_its_state_is_never_reinitialised(start_cluster) -> No
         forger.leave()
     finally:
         client.close()
-    proc = run_worker(cluster.servers, "w1", steps=1)
+    proc = run_worker(cluster.servers, "w1", "--steps", "1")
     assert proc.returncode == 3 and "shard 1 is at version 0 but shard 0 at 3" in proc.stderr
 
     # Restarting every shard is a new job: it trains from scratch.
     cluster.restart(1)
     cluster.restart(0)
-    assert run_worker(cluster.servers, "w2", steps=2).returncode == 0
-    job = stats(cluster.addresses[0], 0).job_id
-    assert job != trained.job_id and stats(cluster.addresses[1], 1).job_id == job
+    assert run_worker(cluster.servers, "w2", "--steps", "2").returncode == 0
+    job = shard_stats(cluster.addresses)[0].job_id
+    assert job != trained.job_id and shard_stats(cluster.addresses)[1].job_id == job
 
     # Shard 0 restarting beside a trained shard 1: shard 1 refuses the new job shard 0 starts.
     cluster.restart(0)
-    proc = run_worker(cluster.servers, "w3", steps=1)
+    proc = run_worker(cluster.servers, "w3", "--steps", "1")
     assert proc.returncode == 3 and f"shard 1 serves job '{job}' but shard 0 serves job" in proc.stderr
-    s0 = stats(cluster.addresses[0], 0)
+    s0 = shard_stats(cluster.addresses)[0]
     assert s0.plan_fingerprint == "" and list(s0.members) == []  # the half-made job was forgotten when w3 left
-    assert stats(cluster.addresses[1], 1).version == 2
+    assert shard_stats(cluster.addresses)[1].version == 2
 
 
 def test_an_initialiser_that_never_sends_init_is_replaced(start_cluster) -> None:
@@ -112,7 +92,7 @@ def test_an_initialiser_that_never_sends_init_is_replaced(start_cluster) -> None
         first = ghost[0].join()
         assert first.initialise and ghost[1].join(job=first.job).initialise
         started = time.monotonic()
-        proc = run_worker(cluster.servers, "w1", steps=0)  # joins, initialises after the timeout, leaves
+        proc = run_worker(cluster.servers, "w1", "--steps", "0")  # joins, initialises after the timeout, leaves
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert time.monotonic() - started < 45
         assert "joined version=0" in proc.stdout

@@ -11,32 +11,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from shardps.worker.client import ShardClient
+from tests.procs import shard_stats
+from tests.procs import start_worker as start_process
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE = 2.0
 
 
 def start_worker(servers: str, worker_id: str, index: int, workers: int, steps: int,
                  sleep: float = 0.05) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", worker_id, "--index",
-         str(index), "--workers", str(workers), "--steps", str(steps), "--sleep", str(sleep)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return start_process(servers, worker_id, "--index", str(index), "--workers", str(workers), "--steps", str(steps),
+                         "--sleep", str(sleep))
 
 
 def stats(cluster) -> list:
-    out = []
-    for i, address in enumerate(cluster.addresses):
-        client = ShardClient(address, index=i)
-        out.append(client.stats())
-        client.close()
-    return out
+    return shard_stats(cluster.addresses)
 
 
 def wait_until(predicate, timeout: float, what: str):

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from shardps.worker.client import ShardClient
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.procs import REPO, shard_stats, start_worker
+from tests.procs import run_worker as run_process
 
 
 def run_worker(servers: str, worker_id: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.worker_proc", "--servers", servers, "--worker-id", worker_id,
-         "--steps", str(steps), "--connect-timeout", "2", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    return run_process(servers, worker_id, "--steps", str(steps), "--connect-timeout", "2", *extra)
 
 
 def reset(servers: str) -> subprocess.CompletedProcess:
@@ -25,12 +19,7 @@ def reset(servers: str) -> subprocess.CompletedProcess:
 
 
 def versions(cluster) -> list[int]:
-    out = []
-    for i, address in enumerate(cluster.addresses):
-        client = ShardClient(address, index=i)
-        out.append(client.stats().version)
-        client.close()
-    return out
+    return [s.version for s in shard_stats(cluster.addresses)]
 
 
 def test_resume_refuse_reset(start_cluster) -> None:
@@ -47,9 +36,7 @@ def test_resume_refuse_reset(start_cluster) -> None:
     assert other.returncode == 3 and "shardps reset --servers" in other.stderr, other.stderr[-2000:]
     assert versions(cluster) == [5, 5], "a refused job changes nothing"
 
-    held = subprocess.Popen(
-        [sys.executable, "-m", "tests.worker_proc", "--servers", cluster.servers, "--worker-id", "w9", "--hold"],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held = start_worker(cluster.servers, "w9", "--hold", stdin=True)
     try:
         assert held.stdout.readline().startswith("joined version=5")  # blocking: the worker joined
         busy = reset(cluster.servers)
@@ -57,6 +44,11 @@ def test_resume_refuse_reset(start_cluster) -> None:
         assert versions(cluster) == [5, 5]
     finally:
         held.communicate("\n", timeout=60)
+
+    wrong = subprocess.run([sys.executable, "-m", "shardps.worker.cli", "reset", "--servers", cluster.servers,
+                            "--job-id", "not-this-job"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "not 'not-this-job'" in wrong.stderr, wrong.stderr
+    assert versions(cluster) == [5, 5]
 
     done = reset(cluster.servers)
     assert done.returncode == 0 and done.stdout.count("dropped at version 5") == 2, done.stdout + done.stderr

@@ -9,15 +9,21 @@ parameter must agree within 1e-5. Model and data: ``tests/recipes.py``.
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
+import time
 
+import grpc
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
+from shardps.worker.client import ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer, GradientEditedError
 from tests.forked import start_process
+from tests.procs import shard_stats
 from tests.recipes import WORKERS, Net, ddp_rank, loss_of, part
 from tests.threads import run_workers
 
@@ -301,6 +307,62 @@ def test_state_dict_round_trip_through_a_plain_optimizer(start_cluster, tmp_path
     servers_b = start_cluster(2, min_workers=WORKERS).addresses
     for model in run_workers(WORKERS, second_half):
         assert_same(reference, model, "plain checkpoint into a new shardps job: ")
+
+
+def test_optimizer_state_loads_all_or_nothing_and_only_between_rounds(servers) -> None:
+    models = [Net(), Net()]
+    dists = [distributed(make_opt("adamw", m.parameters()), m, servers, i) for i, m in enumerate(models)]
+    try:
+        def step(i: int, at: int) -> None:
+            dists[i].zero_grad()
+            loss_of(models[i], at, part(i)).backward()
+            dists[i].step()
+
+        run_workers(WORKERS, lambda i: step(i, 0))
+        saved = dists[1].state_dict()
+        before = [st.digest for st in shard_stats(servers, digest=True)]
+        bad = copy.deepcopy(saved)  # a valid change of the first parameter (on both shards), and an entry
+        bad["state"][0]["exp_avg"] += 1.0  # AdamW does not keep for the last one (on shard 1 only)
+        bad["state"][len(bad["state"]) - 1]["nope"] = torch.zeros(())
+        with pytest.raises(ShardRpcError, match="nope") as err:
+            dists[1].load_state_dict(bad)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert [st.digest for st in shard_stats(servers, digest=True)] == before, "no shard may load any of it"
+
+        worker0 = threading.Thread(target=step, args=(0, 1), daemon=True)
+        worker0.start()  # worker 0 pushes round 1; the round waits for worker 1
+        deadline = time.monotonic() + 60
+        while any(list(st.pushed) != ["w0"] for st in dists[1].stats()):
+            assert time.monotonic() < deadline, "worker 0's push never arrived"
+            time.sleep(0.05)
+        changed = copy.deepcopy(saved)
+        changed["state"][0]["exp_avg"] += 1.0
+        with pytest.raises(ShardRpcError, match="a round is in progress") as err:
+            dists[1].load_state_dict(changed)
+        assert err.value.code == grpc.StatusCode.ABORTED
+        dists[1].load_state_dict(saved)  # the same state: accepted any time (every worker may load a checkpoint)
+        step(1, 1)
+        worker0.join(60)
+        assert [s.version for s in dists[1].stats()] == [2, 2]
+        assert dists[1].state_dict()["state"][0]["step"].item() == 2  # body.weight, stepped in both rounds
+    finally:
+        for d in dists:
+            d.close()
+
+
+def test_workers_that_clip_differently_are_refused(servers) -> None:
+    """Every shard must clip by one coefficient: a round whose workers ask for different norms changes nothing."""
+    def work(i: int) -> str:
+        model = Net()
+        with distributed(make_opt("sgd", model.parameters()), model, servers, i, max_grad_norm=0.1 * (i + 1)) as dist:
+            loss_of(model, 0, part(i)).backward()
+            with pytest.raises(ShardRpcError) as err:
+                dist.step()
+            assert [s.version for s in dist.stats()] == [0, 0]
+            return err.value.details
+
+    for details in run_workers(WORKERS, work):
+        assert "different loss scales or clipping" in details
 
 
 # ---------------------------------------------------------------- editing gradients
