@@ -73,16 +73,18 @@ class OptimizerSpec(_message.Message):
     def __init__(self, class_name: _Optional[str] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("job_id", "initialiser", "initialised", "version")
+    __slots__ = ("job_id", "initialiser", "initialised", "version", "restored")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     INITIALISER_FIELD_NUMBER: _ClassVar[int]
     INITIALISED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     initialiser: str
     initialised: bool
     version: int
-    def __init__(self, job_id: _Optional[str] = ..., initialiser: _Optional[str] = ..., initialised: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    restored: bool
+    def __init__(self, job_id: _Optional[str] = ..., initialiser: _Optional[str] = ..., initialised: _Optional[bool] = ..., version: _Optional[int] = ..., restored: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job", "static_digest")
@@ -103,20 +105,22 @@ class JoinRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., static_digest: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("initialise", "version", "members", "shard_index", "job", "lease_seconds")
+    __slots__ = ("initialise", "version", "members", "shard_index", "job", "lease_seconds", "incarnation")
     INITIALISE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     initialise: bool
     version: int
     members: int
     shard_index: int
     job: JobView
     lease_seconds: float
-    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, initialise: _Optional[bool] = ..., version: _Optional[int] = ..., members: _Optional[int] = ..., shard_index: _Optional[int] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "session")
@@ -167,13 +171,15 @@ class HeartbeatReply(_message.Message):
     def __init__(self, members: _Optional[_Iterable[str]] = ..., membership_epoch: _Optional[int] = ..., version: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("digest",)
+    __slots__ = ("digest", "plan")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     digest: bool
-    def __init__(self, digest: _Optional[bool] = ...) -> None: ...
+    plan: bool
+    def __init__(self, digest: _Optional[bool] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +204,13 @@ class StatsReply(_message.Message):
     LAST_ROUND_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJOINING_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -222,7 +235,32 @@ class StatsReply(_message.Message):
     last_round_contributors: int
     checkpoint_version: int
     checkpoint_unix_seconds: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    restored_version: int
+    pushes_accepted: int
+    contributions_applied: int
+    pushes_dropped: int
+    rejoining: _containers.RepeatedScalarFieldContainer[str]
+    plan: PlanSpec
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("min_version",)
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    def __init__(self, min_version: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("version", "path")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    path: str
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state")

@@ -89,6 +89,16 @@ class ShardStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.SetStateReply.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/shardps.v1.Shard/Export',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.ExportRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/shardps.v1.Shard/Checkpoint',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -174,6 +184,22 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """The fp32 parameters and the buffers at the shard's version, as Pull sends
+        them, for export; read-only, no membership. FAILED_PRECONDITION when the
+        shard is below min_version (it never waits for rounds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Write a checkpoint now; returns once it is on disk (operator command).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +257,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.SetState,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.SetStateReply.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.ExportRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +566,60 @@ class Shard:
             '/shardps.v1.Shard/SetState',
             shardps_dot_proto_dot_shardps__pb2.Frame.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.SetStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardps.v1.Shard/Export',
+            shardps_dot_proto_dot_shardps__pb2.ExportRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Checkpoint',
+            shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -324,7 +324,7 @@ class Admission:
         return job.job_id, version
 
     async def restore(self, snap) -> None:
-        """Rebuild the job from a checkpoint (``server.checkpoint.Snapshot``) before the shard serves.
+        """Rebuild the job from a checkpoint (``shardps.proto.checkpoint.Snapshot``) before the shard serves.
 
         Raises:
             ValueError: the checkpoint does not fit this shard (another shard count or index, bad state).
@@ -358,7 +358,7 @@ class Admission:
             raise ValueError("the checkpoint's buffers do not fit this shard's part of its plan")
         self.rounds.start(job.table, optimizer, params, buffers, [set(hp) for hp in job.hyperparams])
         self.rounds.version = snap.version
-        job.job_id, job.initialised, job.initialised_by = snap.job_id, True, snap.initialised_by
+        job.job_id, job.initialised, job.initialised_by, job.restored = snap.job_id, True, snap.initialised_by, True
         self.job = job
         log.warning("shard %d: restored job %s at version %d from a checkpoint", cfg.shard_index, job.job_id,
                     snap.version)

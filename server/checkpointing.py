@@ -1,4 +1,4 @@
-"""When a shard checkpoints, and restoring at start (the file format is ``server/checkpoint.py``).
+"""When a shard checkpoints, and restoring at start (the file format is ``proto/checkpoint.py``).
 
 A checkpoint is written every ``--checkpoint-every-rounds`` rounds and/or
 ``--checkpoint-every-seconds`` seconds (when the version moved), and on
@@ -12,6 +12,9 @@ rounds applied since the newest checkpoint.
 A shard started on a directory holding checkpoints restores the newest
 intact one before it serves (job, plan, optimizer and its state, buffers,
 hyperparameters, version), so workers that join again resume the job.
+The checkpoint records the job's members: the restored shard's rounds wait
+up to one lease for them to join again (``Rounds.await_rejoin``), so the
+first worker back does not make a round alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shardps.server import checkpoint
+from shardps.proto import checkpoint
 from shardps.server.optimizer import StateError
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class Checkpoints:
 
     Attributes:
         latest: ``(version, Unix seconds)`` of the newest checkpoint written or restored; ``(0, 0.0)``: none.
+        restored: the version restored at start (0: none).
     """
 
     def __init__(self, store) -> None:
@@ -43,6 +47,7 @@ class Checkpoints:
         cfg = store.config
         self.directory = Path(cfg.checkpoint_dir) / f"shard-{cfg.shard_index}" if cfg.checkpoint_dir else None
         self.latest = (0, 0.0)
+        self.restored = 0
         self._clock = time.monotonic()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -66,6 +71,9 @@ class Checkpoints:
             except (ValueError, StateError) as exc:
                 raise RuntimeError(f"checkpoint of version {snap.version} in {self.directory}: {exc}") from None
             self.latest = (snap.version, time.time())
+            self.restored = snap.version
+            if snap.members:
+                store.rounds.await_rejoin(snap.members, cfg.lease_seconds)
         if cfg.checkpoint_every_rounds or cfg.checkpoint_every_seconds:
             self._task = asyncio.get_running_loop().create_task(self._on_schedule())
 
@@ -93,6 +101,8 @@ class Checkpoints:
     async def write(self) -> int:
         """Write a checkpoint of the current version, between rounds; returns its version (0: nothing to write).
 
+        Also what the Checkpoint RPC (``shardps checkpoint``) runs.
+
         Raises:
             OSError: the disk refused (the older checkpoints are untouched).
         """
@@ -114,6 +124,7 @@ class Checkpoints:
                 version=store.version, job_id=job.job_id, fingerprint=job.fingerprint,
                 initialised_by=job.initialised_by, plan=job.plan_bytes, spec=job.spec.SerializeToString(),
                 static_digest=job.static_digest, hyperparams=rounds.optimizer.hyperparams(), tensors=tensors,
+                members=self.store._members.ids(),
             )
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(

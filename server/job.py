@@ -50,6 +50,7 @@ class Job:
         initialiser: worker id told to send Init, or None while the role is free.
         initialiser_lost: the named initialiser left or timed out before initialising.
         initialised: Init completed; ``initialised_by`` names who sent it.
+        restored: the job was restored from a checkpoint when this shard started.
         init_streaming: the task receiving the initialiser's Init stream, if one is (the
             timer waits; the initialiser leaving cancels it).
         expiry: timer that frees the initialiser role after ``init_timeout_seconds``.
@@ -67,6 +68,7 @@ class Job:
     initialiser_lost: bool = False
     initialised: bool = False
     initialised_by: str = ""
+    restored: bool = False
     init_streaming: asyncio.Task | None = None
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -77,7 +79,7 @@ class Job:
     def view(self, version: int) -> pb.JobView:
         return pb.JobView(
             job_id=self.job_id, initialiser=self.initialiser or self.initialised_by,
-            initialised=self.initialised, version=version,
+            initialised=self.initialised, version=version, restored=self.restored,
         )
 
     def check_same_job(self, request: pb.JoinRequest, hyperparams: list[dict]) -> None:
@@ -128,10 +130,15 @@ class Job:
         Args:
             version: this shard's version.
 
+        Shards are at most one round apart, unless one of them restored the job
+        from a checkpoint (``restored``): it comes back at the checkpoint's
+        version while the others went on, and each shard's partition carries on
+        from its own version.
+
         Raises:
             FailedPrecondition: another job, another initialiser, versions more than
-                one round apart, or an initialisation that stopped half-way (the
-                message says which, and the fix).
+                one round apart without a restore, or an initialisation that
+                stopped half-way (the message says which, and the fix).
         """
         if view.job_id != self.job_id:
             raise FailedPrecondition(
@@ -145,10 +152,11 @@ class Job:
                     f"{shown(view.initialiser)} as the job's initialiser: the shards hold parameters from different "
                     f"workers; {_RESET_FIX}"
                 )
-            if view.initialised and abs(view.version - version) > 1:
+            if view.initialised and abs(view.version - version) > 1 and not (self.restored or view.restored):
                 raise FailedPrecondition(
                     f"shard {shard_index} is at version {version} but shard 0 at {view.version}: in sync training "
-                    f"shards are at most one round apart, so one of them lost or replaced its state; {_RESET_FIX}"
+                    "shards are at most one round apart unless one was restored from a checkpoint, so one of them "
+                    f"lost or replaced its state; {_RESET_FIX}"
                 )
         elif view.initialised and self.initialiser_lost:
             raise FailedPrecondition(

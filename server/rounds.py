@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,12 @@ class Rounds:
         pushed: ``{worker_id: push}`` of the members whose push of the open round was accepted.
         params: ``{group: flat fp32}``; buffers: the buffer arena (uint8).
         applied, skipped: rounds applied, and of those skipped (loss-scale overflow).
+        pushes_accepted, contributions_applied, pushes_dropped: accepted pushes (a
+            retry of one is not counted), those a round averaged, and those that
+            never counted (the member left, or the round was refused); accepted =
+            applied + dropped + those of the open round.
+        rejoining: after a restore, members of the checkpoint that rounds still
+            wait for (until ``rejoin_deadline``, ``time.monotonic()`` seconds).
         last_contributors: members whose gradients the last applied round averaged.
         state_bytes: optimizer-state bytes after the last round.
 
@@ -120,6 +127,9 @@ class Rounds:
         self.closed: Closed | None = None
         self.pushed: dict[str, _Pushed] = {}
         self.applied = self.skipped = self.last_contributors = 0
+        self.pushes_accepted = self.contributions_applied = self.pushes_dropped = 0
+        self.rejoining: set[str] = set()
+        self.rejoin_deadline = 0.0
         self.state_bytes = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
@@ -147,10 +157,41 @@ class Rounds:
         self.buffers = torch.empty(0, dtype=torch.uint8)
         self.pushed.clear()
         self.version = self.applied = self.skipped = self.last_contributors = self.state_bytes = 0
+        self.pushes_accepted = self.contributions_applied = self.pushes_dropped = 0
+        self.rejoining = set()
 
     def waiting_for(self) -> list[str]:
-        """Members whose push of the open round has not been accepted, in id order."""
-        return [w for w in self._members.ids() if w not in self.pushed]
+        """Members whose push of the open round has not been accepted, then checkpoint members not back yet."""
+        waiting = [w for w in self._members.ids() if w not in self.pushed]
+        return waiting + sorted(self.rejoining - set(self._members.ids()))
+
+    def await_rejoin(self, worker_ids: list[str], seconds: float) -> None:
+        """After a restore: rounds wait up to ``seconds`` for the checkpoint's members to join again.
+
+        Without this, the first member to come back would make a round alone
+        (nobody else is a member yet); with it, the restored shard averages the
+        same workers as the shards that never stopped, and a member that died
+        meanwhile stops being waited for once its lease would have run out.
+        """
+        self.rejoining = set(worker_ids)
+        self.rejoin_deadline = time.monotonic() + seconds
+
+        def give_up() -> None:
+            if self.rejoining:
+                log.warning("shard %d: %s did not join again within %.0fs of the restore; rounds go on without "
+                            "them", self.config.shard_index, sorted(self.rejoining - set(self._members.ids())),
+                            seconds)
+            self.rejoining = set()
+            self.maybe_apply()
+            self._notify()
+
+        asyncio.get_running_loop().call_later(seconds, give_up)
+
+    def _still_rejoining(self) -> bool:
+        if self.rejoining and (time.monotonic() >= self.rejoin_deadline
+                               or self.rejoining <= set(self._members.ids())):
+            self.rejoining = set()
+        return bool(self.rejoining)
 
     # ------------------------------------------------------------------ push
     async def push(self, member: Member, header: pb.RoundHeader, frames: AsyncIterator[bytes], *,
@@ -226,6 +267,7 @@ class Rounds:
         finally:
             member.pushing = None
         member.staging, member.arena, member.last_round, member.failed = staging, arena, rnd, None
+        self.pushes_accepted += 1
         self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams)
         needs_commit = _needs_commit(trailer)
         task = self.maybe_apply()
@@ -249,7 +291,7 @@ class Rounds:
         """Close the open round and start applying it if every member has pushed it."""
         if self.applying or not self.pushed or (self.version == 0 and len(self._members) < self.config.min_workers):
             return None
-        if self.waiting_for():
+        if self._still_rejoining() or self.waiting_for():
             return None
         workers = sorted(self.pushed)
         members = [self._members.find(w) for w in workers]
@@ -313,6 +355,7 @@ class Rounds:
             self.version += 1
             self.applied += 1
             self.last_contributors = len(closed.members)
+            self.contributions_applied += len(closed.members)
             self.skipped += skip
             self.state_bytes = self.optimizer.state_bytes()
         finally:
@@ -384,13 +427,15 @@ class Rounds:
 
     def _refuse(self, closed: Closed, error: Exception) -> None:
         log.warning("shard %d: %s", self.config.shard_index, error)
+        self.pushes_dropped += len(closed.members)
         for m in closed.members:
             m.failed, m.last_round = (closed.number, error), -1
 
     # ------------------------------------------------------------------ leave
     def drop(self, member: Member) -> None:
         """``member`` left: its push of the open round no longer counts, its staging is freed."""
-        self.pushed.pop(member.worker_id, None)
+        if self.pushed.pop(member.worker_id, None) is not None and not self.applying:
+            self.pushes_dropped += 1  # (a closed round being applied still counts it)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
             stop_call(member.pushing, Aborted(f"worker {shown(member.worker_id)} left during its push"))
         self._give_back(member.staging, member.arena)

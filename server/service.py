@@ -197,6 +197,17 @@ class ShardServicer:
     async def Stats(self, request: bytes, context) -> pb.StatsReply:
         return await self.store.stats(_parse(pb.StatsRequest, request, "stats"))
 
+    @_streaming
+    async def Export(self, request: bytes, context) -> AsyncIterator[bytes]:
+        req = _parse(pb.ExportRequest, request, "export")
+        async for frame in await self.store.export(req, context.time_remaining()):
+            yield frame
+
+    @_unary
+    async def Checkpoint(self, request: bytes, context) -> pb.CheckpointReply:
+        _parse(pb.CheckpointRequest, request, "checkpoint")
+        return await self.store.checkpoint()
+
 
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,

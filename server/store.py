@@ -4,7 +4,7 @@ A thin gRPC servicer (``service.py``) adapts this class; it knows nothing of
 gRPC. Every method runs on the server's one asyncio event loop, so the
 fields below need no lock: a method's checks and the changes they guard
 happen with no ``await`` between them. Waiting for a version is an
-``await`` on a :class:`_Notifier` and holds no thread; a cancelled call is
+``await`` on a :class:`Notifier` and holds no thread; a cancelled call is
 woken at once and frees what it held. Work that reads or writes tensors at
 length (building a plan, the trial step, applying a round, the Stats
 digest) runs on one compute thread (``self._compute``), one piece at a
@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from shardps.proto import shardps_pb2 as pb
@@ -36,34 +37,10 @@ from shardps.server.membership import Member, Membership
 from shardps.server.optimizer import ShardOptimizer, StateError
 from shardps.server.rounds import Rounds
 from shardps.server.state import decode_state, encode_state
+from shardps.server.stats import stats_reply
+from shardps.server.notifier import Notifier
 
 log = logging.getLogger(__name__)
-
-
-class _Notifier:
-    """Wake every coroutine waiting for the shard's state to change (no thread is held while waiting)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify_all(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Wait until ``predicate()`` holds or ``timeout`` seconds pass; returns ``predicate()``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not predicate():
-            event = self._event
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                return predicate()
-        return True
 
 
 class ShardStore:
@@ -84,7 +61,7 @@ class ShardStore:
     def __init__(self, config: ShardConfig, compute: Executor | None = None) -> None:
         self.config = config
         self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
-        self._notifier = _Notifier()
+        self._notifier = Notifier()
         self._closing = False
         self._members = Membership(config.max_workers, config.lease_seconds)
         self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run)
@@ -97,6 +74,7 @@ class ShardStore:
         self._lease_watch: asyncio.Task | None = None
         self.checkpoints = Checkpoints(self)
         self._last_wait_log = 0.0
+        self.incarnation = uuid.uuid4().hex  # tells workers this process apart from the one before a restart
 
     @property
     def version(self) -> int:
@@ -131,7 +109,9 @@ class ShardStore:
         """Admit a worker (see ``Admission.join``); from the first Join on, expired leases are dropped."""
         if self._lease_watch is None:
             self._lease_watch = asyncio.get_running_loop().create_task(self._watch_leases())
-        return await self._admission.join(request)
+        reply = await self._admission.join(request)
+        reply.incarnation = self.incarnation
+        return reply
 
     async def _watch_leases(self) -> None:
         """Drop members whose lease ran out, checking every quarter lease (at most every second)."""
@@ -446,37 +426,56 @@ class ShardStore:
         return await asyncio.shield(self._digest)
 
     async def stats(self, request: pb.StatsRequest) -> pb.StatsReply:
-        """The shard's counters; with ``request.digest``, also the SHA-256 of version, parameters and state."""
-        job = self._job
+        """The shard's counters (``server/stats.py``); with ``request.digest``, also the SHA-256 of its state."""
         digest = ""
         if request.digest and self.rounds.optimizer is not None:
             digest = await self._digest_of_current()
-        return pb.StatsReply(
-            shard_index=self.config.shard_index,
-            num_shards=self.config.num_shards,
-            version=self.version,
-            members=self._members.ids(),
-            min_workers=self.config.min_workers,
-            initialised=job is not None and job.initialised,
-            plan_fingerprint=job.fingerprint if job else "",
-            optimizer=job.spec.class_name if job else "",
-            num_chunks=len(job.table.chunks) if job else 0,
-            param_bytes=4 * (job.table.numel if job else 0),
-            optimizer_state_bytes=self.rounds.state_bytes,
-            push_bytes_total=self._push_bytes,
-            pull_bytes_total=self._pull_bytes,
-            pushed=sorted(self.rounds.pushed),
-            job_id=job.job_id if job else "",
-            waiting=self._waiting,
-            max_workers=self.config.max_workers,
-            digest=digest,
-            rounds_skipped=self.rounds.skipped,
-            membership_epoch=self._members.epoch,
-            lease_expiries=self._members.expiries,
-            last_round_contributors=self.rounds.last_contributors,
-            checkpoint_version=self.checkpoints.latest[0],
-            checkpoint_unix_seconds=self.checkpoints.latest[1],
-        )
+        return stats_reply(self, digest, request.plan)
+
+    # ----------------------------------------------------------------- export, checkpoint
+    async def export(self, request: pb.ExportRequest, timeout: float | None) -> AsyncIterator[bytes]:
+        """The fp32 parameters and buffers at the shard's version, which must be ``>= request.min_version``.
+
+        Read-only and open to non-members (operators export a live job). Waits
+        only for a round being applied to finish, never for rounds to come.
+
+        Raises:
+            FailedPrecondition: the shard holds no initialised job, or is below ``min_version``.
+            DeadlineExceeded: a round was still being applied after ``timeout`` seconds.
+        """
+        self._check_open()
+        job = self._job
+        if job is None or not job.initialised:
+            raise FailedPrecondition(f"shard {self.config.shard_index} holds no initialised job to export")
+        limit = self.config.max_wait_seconds if timeout is None else min(timeout, self.config.max_wait_seconds)
+        if not await self._notifier.wait_for(lambda: self._closing or not self.rounds.applying, limit):
+            raise DeadlineExceeded(f"shard {self.config.shard_index} was still applying a round after {limit:.1f}s")
+        self._check_open()
+        if self._job is not job:
+            raise Aborted(f"shard {self.config.shard_index}'s job was reset during the export")
+        if self.version < request.min_version:
+            raise FailedPrecondition(f"shard {self.config.shard_index} is at version {self.version}, below "
+                                     f"{request.min_version}; export again later")
+        return self.pull(self.version, pb.FLOAT32)
+
+    async def checkpoint(self) -> pb.CheckpointReply:
+        """Write a checkpoint now (the operator's ``shardps checkpoint``).
+
+        Raises:
+            FailedPrecondition: no ``--checkpoint-dir``, or no initialised job.
+            Unavailable: the disk refused (the message says why; older checkpoints are kept).
+        """
+        self._check_open()
+        directory = self.checkpoints.directory
+        if directory is None:
+            raise FailedPrecondition(f"shard {self.config.shard_index} was started without --checkpoint-dir")
+        try:
+            version = await self.checkpoints.write()
+        except OSError as exc:
+            raise Unavailable(f"shard {self.config.shard_index}: writing the checkpoint failed: {exc}") from None
+        if not version:
+            raise FailedPrecondition(f"shard {self.config.shard_index} holds no initialised job to checkpoint")
+        return pb.CheckpointReply(version=version, path=str(directory))
 
     def close(self) -> None:
         """Refuse new work and wake every waiting call (they fail with Unavailable)."""

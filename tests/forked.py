@@ -126,12 +126,8 @@ class ForkedShard:
 class ForkedCluster(LocalCluster):
     """:class:`LocalCluster` whose shard processes are forked from the preloaded forkserver."""
 
-    def _spawn(self, shard: int) -> ForkedShard:
-        argv = [
-            "--host", self.host, "--port", "0", "--shard-index", str(shard), "--num-shards", str(self.num_shards),
-            "--min-workers", str(self.min_workers), *self.extra_args,
-        ]
-        return ForkedShard(argv, str(self.log_path(shard)))
+    def _spawn(self, shard: int, port: int = 0) -> ForkedShard:
+        return ForkedShard(self.shard_args(shard, port), str(self.log_path(shard)))
 
     def _wait_address(self, shard: int, deadline: float) -> str:
         proc = self.processes[shard]

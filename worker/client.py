@@ -7,6 +7,7 @@ import grpc
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shardps.worker.retry import RetryPolicy, retry
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 
@@ -22,7 +23,10 @@ class ShardRpcError(RuntimeError):
 class ShardClient:
     """One gRPC channel to shard ``index`` at ``address`` (``host:port``).
 
-    Every call carries a deadline of ``rpc_timeout`` seconds.
+    Every call carries a deadline of ``rpc_timeout`` seconds. Calls that are
+    safe to repeat (Join, Leave, Reset, Stats, Checkpoint, Pull's start,
+    Export) are retried after UNAVAILABLE or DEADLINE_EXCEEDED per ``retry``
+    (``shardps.worker.retry``), then raise :class:`ShardRpcError`.
 
     Raises:
         ConnectionError: the shard did not answer within ``connect_timeout`` seconds.
@@ -36,8 +40,9 @@ class ShardClient:
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retry: RetryPolicy = RetryPolicy(),
     ) -> None:
-        self.address, self.index, self.rpc_timeout = address, index, rpc_timeout
+        self.address, self.index, self.rpc_timeout, self.retry = address, index, rpc_timeout, retry
         self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
@@ -55,37 +60,56 @@ class ShardClient:
         self._push_pull = self.channel.stream_stream(path + "PushPull")
         self._get_state = self.channel.unary_stream(path + "GetState", request_serializer=pb.StateRequest.SerializeToString)
         self._set_state = self.channel.stream_unary(path + "SetState", response_deserializer=pb.SetStateReply.FromString)
+        self._export = self.channel.unary_stream(path + "Export", request_serializer=pb.ExportRequest.SerializeToString)
 
     def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
         """Wrap a gRPC error of call ``what`` with this shard's index and address."""
         return ShardRpcError(self.index, self.address, what, exc.code(), exc.details())
 
-    def _unary(self, what: str, fn, request, timeout: float | None = None):
-        try:
-            return fn(request, timeout=self.rpc_timeout if timeout is None else timeout)
-        except grpc.RpcError as exc:
-            raise self.error(what, exc) from None
+    def _unary(self, what: str, fn, request, timeout: float | None = None, repeatable: bool = False):
+        def attempt():
+            try:
+                return fn(request, timeout=self.rpc_timeout if timeout is None else timeout)
+            except grpc.RpcError as exc:
+                raise self.error(what, exc) from None
+
+        if not repeatable:
+            return attempt()
+        return retry(attempt, self.retry, f"{what} on shard {self.index} ({self.address})",
+                     lambda exc: getattr(exc, "code", None))
 
     def join(self, request: pb.JoinRequest) -> pb.JoinReply:
-        """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch)."""
-        return self._unary("join", self.stub.Join, request)
+        """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch); retried."""
+        return self._unary("join", self.stub.Join, request, repeatable=True)
 
     def leave(self, worker_id: str, session: str, timeout: float | None = None) -> pb.LeaveReply:
-        """Leave the shard as member ``worker_id`` of ``session``."""
+        """Leave the shard as member ``worker_id`` of ``session`` (not retried: closing must not linger)."""
         return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
 
     def reset(self, job_id: str = "") -> pb.ResetReply:
-        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise)."""
-        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id))
+        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise); retried."""
+        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id), repeatable=True)
+
+    def checkpoint(self) -> pb.CheckpointReply:
+        """Make the shard write a checkpoint now; retried. FAILED_PRECONDITION without --checkpoint-dir."""
+        return self._unary("checkpoint", self.stub.Checkpoint, pb.CheckpointRequest(), repeatable=True)
+
+    def export(self, min_version: int = 0):
+        """Start reading the shard's fp32 parameters and buffers at its current version (refused below
+        ``min_version``); iterate the call for raw frames."""
+        return self._export(pb.ExportRequest(min_version=min_version), timeout=self.rpc_timeout)
 
     def heartbeat(self, worker_id: str, session: str, timeout: float) -> pb.HeartbeatReply:
         """Renew this worker's lease on the shard; the shard's membership."""
         return self._unary("heartbeat", self.stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, session=session),
                            timeout)
 
-    def stats(self, digest: bool = False) -> pb.StatsReply:
-        """The shard's Stats; ``digest`` also hashes its parameters and optimizer state (reads every byte)."""
-        return self._unary("stats", self.stub.Stats, pb.StatsRequest(digest=digest))
+    def stats(self, digest: bool = False, plan: bool = False, timeout: float | None = None,
+              retried: bool = True) -> pb.StatsReply:
+        """The shard's Stats (retried unless ``retried=False``); ``digest`` also hashes its parameters and
+        optimizer state (reads every byte); ``plan`` adds the job's partition plan."""
+        return self._unary("stats", self.stub.Stats, pb.StatsRequest(digest=digest, plan=plan), timeout,
+                           repeatable=retried)
 
     def init(self, frames) -> pb.InitReply:
         """Send the initial parameters (an iterator of encoded frames, round header first)."""

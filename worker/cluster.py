@@ -74,12 +74,13 @@ class LocalCluster:
         except OSError:
             return ""
 
-    def _spawn(self, shard: int) -> subprocess.Popen:
-        cmd = [
-            sys.executable, "-m", "shardps.server", "--host", self.host, "--port", "0",
-            "--shard-index", str(shard), "--num-shards", str(self.num_shards),
-            "--min-workers", str(self.min_workers), *self.extra_args,
-        ]
+    def shard_args(self, shard: int, port: int = 0) -> list[str]:
+        """The ``shardps-server`` arguments of shard ``shard`` listening on ``port`` (0: a free one)."""
+        return ["--host", self.host, "--port", str(port), "--shard-index", str(shard),
+                "--num-shards", str(self.num_shards), "--min-workers", str(self.min_workers), *self.extra_args]
+
+    def _spawn(self, shard: int, port: int = 0) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "shardps.server", *self.shard_args(shard, port)]
         with open(self.log_path(shard), "ab") as err:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
 
@@ -112,11 +113,16 @@ class LocalCluster:
         raise RuntimeError(f"shard {shard} did not report its address in {self.start_timeout:.0f}s:\n"
                            f"{self.log_tail(shard)}")
 
-    def restart(self, shard: int) -> str:
-        """Kill shard ``shard`` (SIGKILL: no shutdown, its state is lost) and start a fresh process for it.
+    def restart(self, shard: int, *, same_port: bool = False, down_seconds: float = 0.0) -> str:
+        """Kill shard ``shard`` (SIGKILL: no shutdown; what it did not checkpoint is lost) and start it again.
+
+        Args:
+            same_port: start the new process on the old address (workers reconnect
+                to it on their own); else on a new free port.
+            down_seconds: how long the shard stays down between the two.
 
         Returns:
-            The new shard's address (a new free port); ``addresses`` is updated.
+            The new shard's address; ``addresses`` is updated.
 
         Raises:
             RuntimeError: the new process did not report its address in time.
@@ -126,7 +132,9 @@ class LocalCluster:
         old.wait()
         if old.stdout:
             old.stdout.close()
-        self.processes[shard] = self._spawn(shard)
+        time.sleep(down_seconds)
+        port = int(self.addresses[shard].rpartition(":")[2]) if same_port else 0
+        self.processes[shard] = self._spawn(shard, port)
         self.addresses[shard] = self._wait_address(shard, time.monotonic() + self.start_timeout)
         return self.addresses[shard]
 

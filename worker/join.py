@@ -14,6 +14,13 @@ crashed and whose lease has not run out yet) is tried again every half
 second for up to ``JoinPlan.patience`` seconds: a restarted worker with the
 same id is then the same member coming back, while a second live process
 using the id keeps being refused (its heartbeats keep the lease).
+
+Rejoining (:func:`rejoin_shard`): when one shard restarts (another
+incarnation at the same address) or its connection drops, the worker joins
+it again with the same session and pulls its current version into the
+model, without restarting. A shard restored from its checkpoint comes back
+at the checkpoint's version, and the worker carries on from there on that
+shard; a shard that came back empty, or with another job, is refused loudly.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import grpc
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.retry import retry
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +87,36 @@ def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
             "shards from a checkpoint, or restart every shard to begin a new job"
         )
     versions = [r.version for r in replies]
-    if max(versions) - min(versions) > 1:
+    if max(versions) - min(versions) > 1 and not any(r.job.restored for r in replies):
         raise RuntimeError(
-            f"the shards are at versions {versions}: in sync training shards are at most one round apart, so a "
-            "shard lost or replaced its state; restore the shards from a checkpoint, or restart every shard to "
+            f"the shards are at versions {versions}: in sync training shards are at most one round apart unless "
+            "one was restored from a checkpoint, so a shard lost or replaced its state; restore the shards from a checkpoint, or restart every shard to "
             "begin a new job"
         )
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What joining every shard gave.
+
+    Attributes:
+        versions: the version pulled from each shard.
+        lease_seconds: the shortest lease the shards grant (heartbeat well within it).
+        incarnations: each shard process's random token (another one means it restarted).
+        job_id: the job's id (shard 0's).
+    """
+
+    versions: list[int]
+    lease_seconds: float
+    incarnations: list[str]
+    job_id: str
+
+
+def _request(join: JoinPlan, view: pb.JobView | None) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        worker_id=join.worker_id, session=join.session, plan=join.plan, plan_fingerprint=join.fingerprint,
+        optimizer=join.optimizer, job=view, static_digest=join.static_digest,
+    )
 
 
 def join_job(
@@ -93,7 +125,7 @@ def join_job(
     join: JoinPlan,
     init_frames: Callable[[int], object],
     pull: Callable[[int, list], int],
-) -> list[int]:
+) -> Joined:
     """Join every shard, initialise those that name this worker, and pull version 0 or later from each.
 
     Args:
@@ -105,8 +137,7 @@ def join_job(
             to ``calls`` (so a failing shard can cancel the others), and returns the version.
 
     Returns:
-        ``(versions, lease_seconds)``: the version received from each shard,
-        and the shortest lease the shards grant (heartbeat well within it).
+        :class:`Joined`.
 
     Raises:
         ShardRpcError: a shard refused (its status and message say why).
@@ -114,10 +145,7 @@ def join_job(
     """
 
     def request(view: pb.JobView | None) -> pb.JoinRequest:
-        return pb.JoinRequest(
-            worker_id=join.worker_id, session=join.session, plan=join.plan, plan_fingerprint=join.fingerprint,
-            optimizer=join.optimizer, job=view, static_digest=join.static_digest,
-        )
+        return _request(join, view)
 
     for attempt in range(JOIN_ATTEMPTS):
         first = _join_one(clients[0], request(None), join.patience)
@@ -136,7 +164,8 @@ def join_job(
             wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if not errors:
-            return [f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies)
+            return Joined([f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies),
+                          [r.incarnation for r in replies], first.job.job_id)
         # the cause, not a pull this function cancelled because of it
         error = next((e for e in errors if getattr(e, "code", None) != grpc.StatusCode.CANCELLED), errors[0])
         initialiser_gone = isinstance(error, ShardRpcError) and error.code == grpc.StatusCode.ABORTED
@@ -144,3 +173,39 @@ def join_job(
             raise error
         log.warning("worker %s: %s; joining again", join.worker_id, error.details)
     raise AssertionError("unreachable")
+
+
+def rejoin_shard(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job_id: str,
+                 pull: Callable[[int, list], int]) -> tuple[int, str]:
+    """Join shard ``shard`` again (same session) and pull its current version into the model.
+
+    Each Join is retried while the shard is unreachable (the client's
+    ``RetryPolicy``), so a shard that is restarting is waited for, up to that
+    policy's total time.
+
+    Returns:
+        ``(version, incarnation)`` of the shard now.
+
+    Raises:
+        ShardRpcError: the shard stayed unreachable, or refused (e.g. it restarted
+            without its checkpoint: it holds no state of this trained job).
+        RuntimeError: the shard holds another job, or asks to be initialised
+            (it lost its state).
+    """
+    first = clients[0].join(_request(join, None))
+    reply = clients[shard].join(_request(join, first.job)) if shard else first
+    if reply.job.job_id != job_id or reply.initialise:
+        if shard == 0 and reply.job.job_id != job_id:
+            try:  # do not leave a half-made new job behind on shard 0
+                clients[0].leave(join.worker_id, join.session, timeout=5.0)
+            except ShardRpcError:
+                pass
+        raise RuntimeError(
+            f"shard {shard} ({clients[shard].address}) came back without the state of job {job_id!r} (it holds "
+            f"job {reply.job.job_id!r}, initialised={reply.job.initialised}): it was restarted without its "
+            "checkpoint. Restart it with its --checkpoint-dir, or reset every shard to begin a new job"
+        )
+    client = clients[shard]
+    version = retry(lambda: pull(shard, []), client.retry, f"pull from shard {shard} ({client.address})",
+                    lambda exc: getattr(exc, "code", None))
+    return version, reply.incarnation

@@ -37,6 +37,8 @@ from shardps.worker import state as optimizer_state
 from shardps.worker.client import ShardClient, ShardRpcError
 from shardps.worker.commit import RoundOptions, await_decision, decide
 from shardps.worker.join import JoinPlan, join_job
+from shardps.worker.recovery import Recovery
+from shardps.worker.retry import RetryPolicy
 from shardps.worker.overlap import ForwardWaits
 from shardps.worker.lease import Leases
 from shardps.worker.rounds import GradientEditedError, ParameterSink, Round, init_requests, push_requests
@@ -104,6 +106,10 @@ class DistributedOptimizer:
         connect_timeout: how long to wait for each shard to answer, seconds;
             also how long a Join waits for this ``worker_id`` to be freed by a
             crashed process whose lease has not expired yet.
+        retry_seconds: how long repeatable calls (Join, Pull, Stats, ...) are
+            retried after UNAVAILABLE or DEADLINE_EXCEEDED, with capped
+            exponential backoff and jitter, before ``ShardRpcError``; also how
+            long a restarting shard is waited for (``shardps.worker.recovery``).
 
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
@@ -137,6 +143,7 @@ class DistributedOptimizer:
         checksum: bool = False,
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
+        retry_seconds: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if isinstance(servers, str):
@@ -187,6 +194,8 @@ class DistributedOptimizer:
         self._waits: ForwardWaits | None = None
         self._routed: dict | None = None  # the wrapped optimizer's methods while they are routed here
         self._leases: Leases | None = None
+        self._recovery: Recovery | None = None
+        policy = RetryPolicy(total_seconds=retry_seconds)
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
@@ -194,14 +203,17 @@ class DistributedOptimizer:
         try:
             self._clients = list(self._pool.map(
                 lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
-                                       max_message_bytes=max_message_bytes),
+                                       max_message_bytes=max_message_bytes, retry=policy),
                 enumerate(servers),
             ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
                             static_digest=static_digest(named_map, outside), patience=connect_timeout)
-            self.versions, lease = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
-            self._leases = Leases(self._clients, self.worker_id, self.session, lease, on_membership_change)
+            joined = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
+            self.versions = joined.versions
+            self._recovery = Recovery(self._clients, join, joined.job_id, joined.incarnations, self._initial_pull)
+            self._leases = Leases(self._clients, self.worker_id, self.session, joined.lease_seconds,
+                                  on_membership_change, self._recovery)
             self.resumed = min(self.versions) > 0
             if self.resumed:
                 log.warning("worker %s resumes the job the shards hold, at version %d (not from its own "
@@ -240,7 +252,7 @@ class DistributedOptimizer:
     def _open_round(self) -> Round:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
         if self._round is None:
-            self._finish_pull()  # blocking wait, normally a no-op: the forward already waited
+            self._finish_pull(rejoin=False)  # blocking wait, normally a no-op: the forward already waited
             if self._diverged or self._leases.lost:
                 raise RuntimeError(self._diverged or self._leases.lost)
             rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
@@ -316,30 +328,33 @@ class DistributedOptimizer:
         ]
         self._pulling = rnd
 
-    def _finish_pull(self) -> None:
-        """Wait for the pending pulls (if any) and record the versions received.
+    def _finish_pull(self, rejoin: bool = True) -> None:
+        """Wait for the pending pulls (if any), record the versions received, rejoin restarted shards.
 
-        Every shard's outcome is awaited, not only the first failure: if some
-        shards applied the round and others failed it, the model's partitions
-        are now at different versions and every later step raises (sync
-        training cannot go on from a half-applied round).
+        Every shard's outcome is awaited, not only the first failure. A shard
+        that restarted or dropped the connection is joined again and its
+        current version pulled (``shardps.worker.recovery``). If some shards
+        applied the round and others failed it for another reason, the
+        model's partitions are at different versions and every later step
+        raises (sync training cannot go on from a half-applied round).
         """
         rnd, self._pulling = self._pulling, None
-        if rnd is None:
-            return
-        applied, failed = rnd.outcome()
-        self.versions = [applied.get(s, v) for s, v in enumerate(self.versions)]
-        if not failed:
-            return
-        shard, error = failed[0]
-        if applied:
-            first = min(applied)
-            self._diverged = (
-                f"shard(s) {sorted(applied)} applied round {applied[first] - 1} but shard {shard} failed it "
-                f"({error}): the model's partitions are at different versions {self.versions}; restore the job "
-                "from a checkpoint"
-            )
-        raise error
+        if rnd is not None:
+            applied, failed = rnd.outcome()
+            rejoined, failed = self._recovery.recover(failed) if failed else ({}, failed)
+            self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
+            if failed:
+                shard, error = failed[0]
+                if applied:
+                    self._diverged = (
+                        f"shard(s) {sorted(applied)} applied round {applied[min(applied)] - 1} but shard {shard} "
+                        f"failed it ({error}): the model's partitions are at different versions {self.versions}; "
+                        "restore the job from a checkpoint"
+                    )
+                raise error
+        if rejoin and self._recovery is not None and self._recovery.restarted:
+            for shard, version in self._recovery.between_steps().items():
+                self.versions[shard] = version
 
     # ------------------------------------------------------------ public API
     @property
@@ -469,7 +484,7 @@ class DistributedOptimizer:
         if self._waits is not None:
             self._waits.remove()
         try:
-            self._finish_pull()
+            self._finish_pull(rejoin=False)
         except (ShardRpcError, RuntimeError) as exc:
             log.warning("the last pull failed while closing: %s", exc)
         with self._lock:

@@ -17,7 +17,7 @@ bit, those of the same job run without fuzzing.
 The shards run with ``--max-workers 3`` (the job's size): a fuzzed Join
 that happens to be valid is then refused instead of joining the job, as an
 operator closes a job's membership. Size: ``SHARDPS_FUZZ_EXAMPLES``
-requests per RPC (default 5,000, so 55,000 in all). Hypothesis draws each
+requests per RPC (default 5,000, so 65,000 over the 13 RPCs). Hypothesis draws each
 example's request kinds and seeds the ``Random`` its requests are built
 from (derandomized: the same requests every run).
 """
@@ -31,6 +31,7 @@ import time
 import uuid
 
 import grpc
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,7 +47,8 @@ from tests.worker_proc import BATCH, data, model
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 5000))
 STEPS = 30
-METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Heartbeat", "Reset", "Leave", "Stats")
+METHODS = ("Join", "Init", "Push", "Pull", "PushPull", "GetState", "SetState", "Heartbeat", "Reset", "Leave", "Stats",
+           "Export", "Checkpoint")
 STREAMS = ("Init", "Push", "PushPull", "SetState")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 KINDS = ("raw", "mutated", "fields", "seed", "member")
@@ -166,6 +168,8 @@ def templates(shard: int, plan: PartitionPlan, spec: pb.OptimizerSpec) -> dict[s
         "Reset": [pb.ResetRequest(job_id="j").SerializeToString()],  # refused: the job has members
         "Leave": [pb.LeaveRequest(worker_id="w1", session=session).SerializeToString()],
         "Stats": [pb.StatsRequest(digest=True).SerializeToString()],
+        "Export": [pb.ExportRequest(min_version=3).SerializeToString()],
+        "Checkpoint": [pb.CheckpointRequest().SerializeToString()],  # refused: no --checkpoint-dir
     }
 
 
@@ -232,7 +236,11 @@ def fields(method: str, rng, plan: PartitionPlan, spec: pb.OptimizerSpec):
         return pb.ResetRequest(job_id=rng.choice(("", "j", "x" * 100))).SerializeToString()
     if method == "Leave":
         return pb.LeaveRequest(worker_id=worker, session=session).SerializeToString()
-    return pb.StatsRequest(digest=rng.random() < 0.5).SerializeToString()
+    if method == "Export":
+        return pb.ExportRequest(min_version=rng.choice((0, 1, 5, 2**63, rng.randrange(2**64)))).SerializeToString()
+    if method == "Checkpoint":
+        return pb.CheckpointRequest().SerializeToString()
+    return pb.StatsRequest(digest=rng.random() < 0.5, plan=rng.random() < 0.5).SerializeToString()
 
 
 def member_request(method: str, rng, shard: int, fz: FuzzMember):
@@ -301,7 +309,7 @@ def send(channel: grpc.Channel, method: str, request) -> grpc.StatusCode:
             channel.stream_unary(path)(iter(request), timeout=5)
         elif method == "PushPull":
             list(channel.stream_stream(path)(iter(request), timeout=5))
-        elif method in ("Pull", "GetState"):
+        elif method in ("Pull", "GetState", "Export"):
             list(channel.unary_stream(path)(request, timeout=5))
         else:
             channel.unary_unary(path)(request, timeout=5)
@@ -310,6 +318,7 @@ def send(channel: grpc.Channel, method: str, request) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+@pytest.mark.timeout(900)  # 65,000 requests; about 3 min on 2 idle cores
 def test_fuzzing_a_live_shard_changes_nothing(start_cluster) -> None:
     # a long lease: the raw fuzz member sends no heartbeats, and the two runs must see the same membership
     args = {"min_workers": 3, "extra_args": ("--max-workers", "3", "--lease-seconds", "600")}

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ class Snapshot:
         static_digest: SHA-256 of the parameters outside the optimizer.
         hyperparams: ``{group: {name: value}}`` of the groups this shard steps (lr included).
         tensors: ``param/<g>`` (fp32, 1-D), ``buffers`` (uint8), ``state/<key>/<name>``.
+        members: the job's member ids when it was taken (a restored shard waits for them to come back).
     """
 
     version: int
@@ -62,6 +63,7 @@ class Snapshot:
     static_digest: str
     hyperparams: dict[int, dict]
     tensors: dict[str, torch.Tensor]
+    members: list[str] = field(default_factory=list)
 
     def params(self) -> dict[int, torch.Tensor]:
         return {int(k.split("/")[1]): v for k, v in self.tensors.items() if k.startswith("param/")}
@@ -109,7 +111,7 @@ def write(directory: Path, snap: Snapshot, keep: int) -> Path:
         "format": 1, "version": snap.version, "job_id": snap.job_id, "fingerprint": snap.fingerprint,
         "initialised_by": snap.initialised_by,
         "plan": base64.b64encode(snap.plan).decode(), "optimizer": base64.b64encode(snap.spec).decode(),
-        "static_digest": snap.static_digest, "hyperparams": {str(g): hp for g, hp in snap.hyperparams.items()},
+        "static_digest": snap.static_digest, "members": list(snap.members), "hyperparams": {str(g): hp for g, hp in snap.hyperparams.items()},
         "tensors": {"file": f"{stem}.safetensors", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
     }
     path = directory / f"{stem}.json"
@@ -132,6 +134,7 @@ def _read(manifest_path: Path) -> Snapshot:
         initialised_by=m["initialised_by"],
         plan=base64.b64decode(m["plan"]), spec=base64.b64decode(m["optimizer"]), static_digest=m["static_digest"],
         hyperparams={int(g): hp for g, hp in m["hyperparams"].items()}, tensors=load_tensors(data),
+        members=[str(w) for w in m.get("members", [])],
     )
 
 

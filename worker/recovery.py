@@ -1,0 +1,116 @@
+"""Carrying on when a shard restarts or its connection drops, without restarting the worker.
+
+The rule, per shard (each shard decides alone; no worker is ever restarted):
+
+- A round whose PushPull to shard ``i`` fails with UNAVAILABLE (the shard
+  died, is restarting, or the connection dropped), or with "not a member" /
+  ABORTED from a shard process that is not the one this worker joined (its
+  incarnation changed: it restarted), is **not re-sent** to shard ``i``. The
+  worker joins shard ``i`` again (same session; retried with backoff while
+  the shard is down, up to the client's ``RetryPolicy``) and pulls its
+  current version into the model. The other shards' part of that round
+  counted as usual.
+- A restarted shard restores its newest checkpoint: its partition goes back
+  to the checkpoint's version, and the worker's per-shard version for it
+  (``DistributedOptimizer.versions[i]``) follows. Every later round
+  pushes round ``versions[i]`` to it. What a SIGKILL loses is therefore
+  the rounds that shard applied after its newest checkpoint, and only on
+  its own partition.
+- The same process that only lost its connection still holds this worker
+  as a member: its Join is the member retrying and changes nothing; the
+  round it was collecting still counts this worker's push if it arrived
+  whole, and never twice (the shard's ``(worker_id, round)`` dedup).
+- A shard that came back empty, or with another job, is refused loudly
+  (``RuntimeError`` naming the fix); so is one that stays unreachable past
+  the retry budget (``ShardRpcError``).
+
+The heartbeat thread (``lease.py``) tells a restarted shard from a lost
+membership by the incarnation in the shard's Stats, and records the shard
+in :attr:`Recovery.restarted`: the training thread rejoins it between two
+steps (never while backward runs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.join import JoinPlan, rejoin_shard
+
+log = logging.getLogger(__name__)
+
+#: Codes of a failed round that may mean the shard restarted (then checked against its incarnation).
+_MAYBE_RESTARTED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED})
+
+
+class Recovery:
+    """Rejoins shards that restarted or dropped the connection (see the module docstring).
+
+    Args:
+        clients: one per shard, in shard order.
+        join: this worker's Join request contents.
+        job_id: the job joined.
+        incarnations: each shard's incarnation at join (updated here).
+        pull: ``pull(shard, calls)`` pulls that shard's current parameters into the model, returns the version.
+
+    Attributes:
+        restarted: shards the heartbeat thread found restarted, to rejoin between steps.
+        rejoins: how many times a shard was joined again.
+    """
+
+    def __init__(self, clients: Sequence[ShardClient], join: JoinPlan, job_id: str, incarnations: list[str],
+                 pull: Callable[[int, list], int]) -> None:
+        self.clients, self.join, self.job_id, self.incarnations = list(clients), join, job_id, list(incarnations)
+        self.pull = pull
+        self.restarted: set[int] = set()
+        self.rejoins = 0
+
+    def is_restarted(self, shard: int, timeout: float | None = None, retried: bool = True) -> bool:
+        """Whether shard ``shard`` is another process than the one joined (its Stats' incarnation differs).
+
+        Raises:
+            ShardRpcError: the shard could not be asked (unreachable past the retry budget).
+        """
+        stats = self.clients[shard].stats(timeout=timeout, retried=retried)
+        return bool(stats.incarnation) and stats.incarnation != self.incarnations[shard]
+
+    def rejoin(self, shard: int, why: str) -> int:
+        """Join shard ``shard`` again and pull its current version into the model; returns that version.
+
+        Raises:
+            ShardRpcError, RuntimeError: see :func:`shardps.worker.join.rejoin_shard`.
+        """
+        version, incarnation = rejoin_shard(self.clients, shard, self.join, self.job_id, self.pull)
+        restarted = incarnation != self.incarnations[shard]
+        self.incarnations[shard] = incarnation
+        self.restarted.discard(shard)
+        self.rejoins += 1
+        log.warning("worker %s rejoined shard %d (%s) after %s: %s; its partition goes on from version %d",
+                    self.join.worker_id, shard, self.clients[shard].address, why,
+                    "the shard restarted (rounds since its checkpoint are lost)" if restarted else "same process",
+                    version)
+        return version
+
+    def recover(self, failed: list[tuple[int, BaseException]]) -> tuple[dict[int, int], list]:
+        """Rejoin the shards whose round failed because they restarted or were unreachable.
+
+        Returns:
+            ``({shard: version now}, [(shard, error) ...])``: the shards rejoined,
+            and the failures that are not a restart (the caller raises them).
+        """
+        rejoined, left = {}, []
+        for shard, error in failed:
+            code = getattr(error, "code", None)
+            if isinstance(error, ShardRpcError) and (
+                    code == grpc.StatusCode.UNAVAILABLE or (code in _MAYBE_RESTARTED and self.is_restarted(shard))):
+                rejoined[shard] = self.rejoin(shard, f"{code.name} in a round ({error.details[:200]})")
+            else:
+                left.append((shard, error))
+        return rejoined, left
+
+    def between_steps(self) -> dict[int, int]:
+        """Rejoin the shards the heartbeat thread found restarted; ``{shard: version now}``."""
+        return {shard: self.rejoin(shard, "a restart seen by the heartbeats") for shard in sorted(self.restarted)}
