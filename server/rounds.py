@@ -293,6 +293,13 @@ class Rounds:
             return None
         if self._still_rejoining() or self.waiting_for():
             return None
+        for w in [w for w in self.pushed if (m := self._members.find(w)) is None or m.staging is None]:
+            log.error("shard %d: dropping a push of %s that no member holds (a bug: members are taken out of "
+                      "the round when they go)", self.config.shard_index, shown(w))
+            del self.pushed[w]
+            self.pushes_dropped += 1
+        if not self.pushed:
+            return None
         workers = sorted(self.pushed)
         members = [self._members.find(w) for w in workers]
         pushes = [self.pushed[w] for w in workers]
@@ -432,8 +439,13 @@ class Rounds:
             m.failed, m.last_round = (closed.number, error), -1
 
     # ------------------------------------------------------------------ leave
-    def drop(self, member: Member) -> None:
-        """``member`` left: its push of the open round no longer counts, its staging is freed."""
+    def drop(self, member: Member, apply: bool = True) -> None:
+        """``member`` left: its push of the open round no longer counts, its staging is freed.
+
+        Args:
+            apply: close the round now if everybody left has pushed; False when the
+                caller drops several members at once (then it calls :meth:`maybe_apply`).
+        """
         if self.pushed.pop(member.worker_id, None) is not None and not self.applying:
             self.pushes_dropped += 1  # (a closed round being applied still counts it)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
@@ -444,4 +456,5 @@ class Rounds:
         del self._spare_arenas[max(1, len(self._members)):]
         if self.closed is not None:
             self._check_committed(self.closed)  # the round no longer waits for its commit
-        self.maybe_apply()
+        if apply:
+            self.maybe_apply()

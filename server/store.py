@@ -118,11 +118,22 @@ class ShardStore:
         tick = min(1.0, self.config.lease_seconds / 4)
         while not self._closing:
             await asyncio.sleep(tick)
-            for member in self._members.expire():
-                log.warning("shard %d: worker %s dropped: no call for %.1fs (its lease expired); %d members left",
-                            self.config.shard_index, shown(member.worker_id), self.config.lease_seconds,
-                            len(self._members))
-                self._drop(member)
+            try:
+                self._expire_leases()
+            except Exception:  # a bug must not stop every later expiry silently
+                log.exception("shard %d: dropping expired members failed", self.config.shard_index)
+
+    def _expire_leases(self) -> None:
+        """Drop every member whose lease ran out: all of them out of the round before it may close."""
+        expired = self._members.expire()
+        for member in expired:
+            log.warning("shard %d: worker %s dropped: no call for %.1fs (its lease expired); %d members left",
+                        self.config.shard_index, shown(member.worker_id), self.config.lease_seconds,
+                        len(self._members))
+            self._drop(member, apply=False)
+        if expired:
+            self.rounds.maybe_apply()
+            self._notifier.notify_all()
 
     def reset(self, request: pb.ResetRequest) -> pb.ResetReply:
         """Drop the job of an idle shard (see ``Admission.reset``)."""
@@ -405,10 +416,13 @@ class ShardStore:
         self._drop(member)
         return len(self._members)
 
-    def _drop(self, member: Member) -> None:
-        """``member`` is no longer a member (it left or its lease expired): nothing waits for it any more."""
+    def _drop(self, member: Member, apply: bool = True) -> None:
+        """``member`` is no longer a member (it left or its lease expired): nothing waits for it any more.
+
+        ``apply=False``: several members go at once; the caller closes the round after the last.
+        """
         self._admission.left(member)
-        self.rounds.drop(member)
+        self.rounds.drop(member, apply)
         self._notifier.notify_all()
 
     async def _digest_of_current(self) -> str:

@@ -2,7 +2,16 @@
 
     shardps train digits [--workers 2] [--shards 2] [--epochs 40] [--lr 3e-3]
                          [--servers host:port,...] [--report PATH]
+    shardps train digits --servers host:port,... --workers N --worker-index I   # one worker: I of N
+    torchrun --nproc-per-node 2 --max-restarts 1 -m shardps.worker.cli \
+        train digits --servers host:port,... --worker-index env             # rank and size from the launcher
     shardps stats --servers host:port,...
+    shardps checkpoint --servers host:port,...
+    shardps export (--servers host:port,... | --checkpoint-dir DIR [--version V]) --out model.safetensors
+
+This module is the edge: it alone reads the environment (a launcher's
+``RANK``/``WORLD_SIZE``/``JOB_COMPLETION_INDEX``); the library takes
+explicit arguments.
 """
 
 from __future__ import annotations
@@ -10,8 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
+
+from shardps.worker import operator_cli
 
 
 def _servers(text: str) -> tuple[str, ...]:
@@ -25,12 +39,75 @@ def _servers(text: str) -> tuple[str, ...]:
     return servers
 
 
+def _worker_index(text: str) -> int | str:
+    if text == "env":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a worker index (0, 1, ...) nor 'env'")
+    return int(text)
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name].strip()
+    if not value.isdigit():
+        raise ValueError(f"environment variable {name}={environ[name]!r} is not a non-negative integer")
+    return int(value)
+
+
+def launcher_rank(environ: Mapping[str, str]) -> tuple[int, int | None, int]:
+    """This process's place in a job started by a launcher: ``(rank, world_size, restart_count)``.
+
+    torchrun (``torch.distributed.run``) sets ``RANK`` and ``WORLD_SIZE``
+    (and ``TORCHELASTIC_RESTART_COUNT``, how many times it restarted the
+    workers); a Kubernetes indexed Job sets ``JOB_COMPLETION_INDEX``, and
+    ``WORLD_SIZE`` only if the pod spec does (``world_size`` is None then).
+    ``RANK`` wins when both are set.
+
+    Args:
+        environ: the environment to read (``os.environ`` at the command line).
+
+    Raises:
+        ValueError: neither ``RANK`` nor ``JOB_COMPLETION_INDEX`` is set, ``RANK``
+            comes without ``WORLD_SIZE``, a value is not a non-negative integer,
+            or the rank is not below the world size.
+    """
+    if "RANK" in environ:
+        if "WORLD_SIZE" not in environ:
+            raise ValueError("RANK is set but WORLD_SIZE is not: start the workers with torchrun, or set both")
+        rank, world = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
+    elif "JOB_COMPLETION_INDEX" in environ:
+        rank = _env_int(environ, "JOB_COMPLETION_INDEX")
+        world = _env_int(environ, "WORLD_SIZE") if "WORLD_SIZE" in environ else None
+    else:
+        raise ValueError("--worker-index env needs RANK and WORLD_SIZE (torchrun) or JOB_COMPLETION_INDEX "
+                         "(a Kubernetes indexed Job) in the environment")
+    if world is not None and rank >= world:
+        raise ValueError(f"rank {rank} is not below the world size {world}")
+    restarts = _env_int(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+    return rank, world, restarts
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="shardps: a sharded parameter server for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job").add_subparsers(dest="job", required=True)
     d = train.add_parser("digits", help="MLP on scikit-learn's handwritten digits, sync (BSP)")
-    d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    d.add_argument("--workers", type=int, default=None,
+                   help="workers in the job (default 2; with --worker-index env the launcher's WORLD_SIZE)")
+    d.add_argument("--worker-index", type=_worker_index, default=None,
+                   help="run only worker I of --workers in this process, against running --servers; 'env' takes "
+                        "I and --workers from the launcher (torchrun's RANK and WORLD_SIZE, or a Kubernetes indexed "
+                        "Job's JOB_COMPLETION_INDEX)")
+    d.add_argument("--job-name", default="digits",
+                   help="worker I joins as <job-name>-rank<I>, so a restarted worker is the same member (default digits)")
+    d.add_argument("--connect-timeout", type=float, default=30.0,
+                   help="with --worker-index: seconds to wait for the shards, and for a crashed predecessor's "
+                        "lease on this worker's id (default 30)")
+    d.add_argument("--wait-for-workers", type=float, default=30.0,
+                   help="with --worker-index: after joining, wait up to S seconds until --workers workers are members, "
+                        "so that ranks restarted together take up the job together (default 30; 0: start at once)")
+    d.add_argument("--log-every", type=int, default=10,
+                   help="with --worker-index: print a progress line every N steps, 0 never (default 10)")
     d.add_argument("--shards", type=int, default=2, help="shards to start when --servers is not given (default 2)")
     d.add_argument("--servers", type=_servers, default=(), help="running shards host:port,... in shard order")
     d.add_argument("--epochs", type=int, default=40, help="epochs (default 40)")
@@ -47,16 +124,33 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reset", help="drop the job held by idle shards (parameters and optimizer state)")
     r.add_argument("--servers", type=_servers, required=True, help="shards host:port,... in shard order")
     r.add_argument("--job-id", default="", help="reset only shards that hold this job")
+    operator_cli.add_commands(sub, _servers)
     return p
+
+
+def _say(line: str) -> None:
+    """Print ``line`` with one write: the processes of a launcher often share one stdout, lines must not mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _write_report(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {path}")
 
 
 def _train_digits(args: argparse.Namespace) -> int:
     from shardps.worker.digits import DigitsConfig, run
 
+    if args.worker_index is not None:
+        return _train_digits_worker(args)
     config = DigitsConfig(
-        workers=args.workers, shards=args.shards, servers=args.servers, epochs=args.epochs, lr=args.lr,
-        batch_size=args.batch_size, seed=args.seed, chunk_bytes=args.chunk_bytes,
+        workers=2 if args.workers is None else args.workers, shards=args.shards, servers=args.servers,
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, chunk_bytes=args.chunk_bytes,
         push_dtype=args.push_dtype, pull_dtype=args.pull_dtype, progress=not args.no_progress,
+        job_name=args.job_name,
     )
     report = run(config)
     print(
@@ -64,10 +158,72 @@ def _train_digits(args: argparse.Namespace) -> int:
         f"{report['steps']} steps in {report['wall_seconds']:.1f}s "
         f"({report['workers']} workers, {report['shards']} shards, {report['mode']})"
     )
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.report}")
+    _write_report(args.report, report)
+    return 0
+
+
+def _train_digits_worker(args: argparse.Namespace) -> int:
+    """One worker of a job whose processes a launcher (or a test) starts: ``--worker-index I`` or ``env``.
+
+    Prints ``key=value`` lines on stdout for people and tests: ``start``
+    (pid, worker id, rank, workers, restart count), ``joined`` (the version
+    pulled, whether the job was resumed), ``step`` every ``--log-every``
+    steps (steps of this process, the shards' version, loss, Unix time),
+    ``done`` (final version, test accuracy, final loss).
+    """
+    from dataclasses import asdict
+
+    from shardps.worker.digits import DigitsConfig, rank_worker_id, train_worker
+
+    if not args.servers:
+        raise ValueError("--worker-index runs one worker against running shards: give --servers host:port,...")
+    if args.log_every < 0:
+        raise ValueError(f"--log-every must be >= 0, got {args.log_every}")
+    if not args.wait_for_workers >= 0:
+        raise ValueError(f"--wait-for-workers must be >= 0 seconds, got {args.wait_for_workers}")
+    restarts = 0
+    if args.worker_index == "env":
+        index, world, restarts = launcher_rank(os.environ)
+        if world is None and args.workers is None:
+            raise ValueError("the launcher sets no WORLD_SIZE: give --workers")
+        if world is not None and args.workers is not None and args.workers != world:
+            raise ValueError(f"--workers {args.workers} differs from the launcher's WORLD_SIZE {world}")
+        workers = world if world is not None else args.workers
+    else:
+        index, workers = args.worker_index, 2 if args.workers is None else args.workers
+    config = DigitsConfig(
+        workers=workers, servers=args.servers, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+        seed=args.seed, chunk_bytes=args.chunk_bytes, push_dtype=args.push_dtype, pull_dtype=args.pull_dtype,
+        progress=False, job_name=args.job_name,
+    )
+    if not 0 <= index < workers:
+        raise ValueError(f"worker index {index} is outside [0, {workers})")
+    wid, pid = rank_worker_id(config.job_name, index), os.getpid()
+    _say(f"start pid={pid} worker_id={wid} rank={index} workers={workers} restart={restarts} t={time.time():.3f}")
+
+    def joined(version: int, resumed: bool, members: list[str]) -> None:
+        _say(f"joined pid={pid} worker_id={wid} version={version} resumed={resumed} members={','.join(members)} "
+             f"t={time.time():.3f}")
+
+    def step(steps: int, version: int, loss: float) -> None:
+        if args.log_every and steps % args.log_every == 0:
+            _say(f"step local_step={steps} version={version} loss={loss:.4f} t={time.time():.3f} pid={pid} "
+                 f"worker_id={wid}")
+
+    start = time.perf_counter()
+    result = train_worker(config, index, worker_id=wid, connect_timeout=args.connect_timeout,
+                          wait_for_workers=args.wait_for_workers, on_join=joined, on_step=step)
+    wall = time.perf_counter() - start
+    _say(f"done pid={pid} worker_id={wid} version={result['version']} local_steps={result['local_steps']} "
+         f"test_accuracy={result['test_accuracy']:.4f} final_loss={result['final_loss']:.4f}")
+    _say(f"digits worker {index}/{workers} ({wid}): test accuracy {result['test_accuracy']:.4f}, final loss "
+         f"{result['final_loss']:.4f}, shards at version {result['version']} of {result['steps']}, "
+         f"{result['local_steps']} steps in this process in {wall:.1f}s"
+         + (f" (resumed at version {result['joined_version']})" if result["resumed"] else ""))
+    _write_report(args.report, {
+        **result, "wall_seconds": wall, "shards": config.shards, "mode": "sync", "servers": ",".join(args.servers),
+        "restart": restarts, "pid": pid, "config": asdict(config),
+    })
     return 0
 
 
@@ -87,21 +243,11 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _reset(args: argparse.Namespace) -> int:
     """Reset every shard; a line per shard; exit 1 if any refused (a busy shard is left as it was)."""
-    from shardps.worker.client import ShardClient, ShardRpcError
+    def call(client) -> str:
+        reply = client.reset(args.job_id)
+        return f"job {reply.job_id} dropped at version {reply.version}" if reply.job_id else "held no job"
 
-    failed = 0
-    for i, address in enumerate(args.servers):
-        client = ShardClient(address, index=i, connect_timeout=10.0, rpc_timeout=10.0)
-        try:
-            reply = client.reset(args.job_id)
-            print(f"shard {i} ({address}): " + (f"job {reply.job_id} dropped at version {reply.version}"
-                                               if reply.job_id else "held no job"))
-        except ShardRpcError as exc:
-            failed += 1
-            print(f"shard {i} ({address}): not reset: {exc.details}", file=sys.stderr)
-        finally:
-            client.close()
-    return 1 if failed else 0
+    return operator_cli.each_shard(args.servers, call, "not reset")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train_digits(args)
         if args.command == "reset":
             return _reset(args)
+        if args.command == "checkpoint":
+            return operator_cli.checkpoint(args)
+        if args.command == "export":
+            return operator_cli.export(args)
         return _stats(args)
     except (ValueError, RuntimeError, ConnectionError) as exc:
         print(f"shardps: error: {exc}", file=sys.stderr)

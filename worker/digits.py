@@ -6,16 +6,27 @@ scaled to [0, 1]. Every worker shuffles the training split with the same
 seed each epoch and takes its slice of each global batch of
 ``workers * batch_size`` samples, so a sync step sees exactly the global
 batch a single process would.
+
+The shards' version is the step counter: round ``v`` is epoch
+``v // steps_per_epoch``, step ``v % steps_per_epoch``, at learning rate
+``learning_rate(config, v)``, and every worker stops when the shards reach
+``total_steps(config)``. A worker that joins mid-job (a restarted rank under
+torchrun, say) therefore takes up the job where the shards are instead of
+starting again from step 0. :func:`run` starts every worker as a process of
+its own; :func:`train_worker` is one worker, for launchers that start one
+process per worker (``shardps train digits --worker-index``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +52,7 @@ class DigitsConfig:
         chunk_bytes: largest chunk in bytes.
         push_dtype, pull_dtype: wire types ("fp32", "bf16", "fp16").
         progress: show a progress bar (worker 0).
+        job_name: names the workers: worker ``i`` joins as ``<job_name>-rank<i>`` (see :func:`rank_worker_id`).
     """
 
     workers: int = 2
@@ -55,8 +67,11 @@ class DigitsConfig:
     push_dtype: str = "fp32"
     pull_dtype: str = "fp32"
     progress: bool = True
+    job_name: str = "digits"
 
     def __post_init__(self) -> None:
+        if not (0 < len(self.job_name) <= 200 and self.job_name.isprintable() and " " not in self.job_name):
+            raise ValueError(f"job_name must be 1 to 200 printable characters without spaces, got {self.job_name!r}")
         for name in ("workers", "shards", "epochs", "batch_size", "hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -87,47 +102,168 @@ def make_model(hidden: int, seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def _worker(index: int, config: DigitsConfig, servers: list[str], result_path: str) -> None:
-    from tqdm import tqdm
+@functools.lru_cache(maxsize=8)
+def _train_size(seed: int) -> int:
+    return len(load_split(seed)[1])
 
+
+def steps_per_epoch(config: DigitsConfig) -> int:
+    """Sync steps (rounds) per epoch: the training split's size over the global batch ``workers * batch_size``.
+
+    Raises:
+        ValueError: the global batch is larger than the training split.
+    """
+    n_train = _train_size(config.seed)
+    global_batch = config.workers * config.batch_size
+    if global_batch > n_train:
+        raise ValueError(f"workers * batch_size = {global_batch} exceeds the {n_train} training samples")
+    return n_train // global_batch
+
+
+def total_steps(config: DigitsConfig) -> int:
+    """Rounds of the whole job: the shards' version at which every worker stops (``epochs * steps_per_epoch``)."""
+    return config.epochs * steps_per_epoch(config)
+
+
+def learning_rate(config: DigitsConfig, version: int) -> float:
+    """The learning rate of round ``version``: cosine decay from ``config.lr`` to 0 over :func:`total_steps`.
+
+    A pure function of the shards' version, so a worker that joins mid-job
+    (or is restarted) sends the same rate as the others.
+    """
+    total = total_steps(config)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(version, total) / total))
+
+
+def rank_worker_id(job_name: str, index: int) -> str:
+    """The stable id of worker ``index`` of job ``job_name``: ``<job_name>-rank<index>``.
+
+    The same index always gets the same id, so a restarted process rejoins
+    the shards as the same member.
+    """
+    return f"{job_name}-rank{index}"
+
+
+def train_worker(
+    config: DigitsConfig,
+    index: int,
+    *,
+    worker_id: str | None = None,
+    connect_timeout: float = 30.0,
+    rpc_timeout: float = 120.0,
+    wait_for_workers: float = 0.0,
+    on_join: Callable[[int, bool, list[str]], None] | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
+) -> dict:
+    """Run worker ``index`` of ``config.workers`` in this process against the running shards ``config.servers``.
+
+    The shards' version is the global step counter: the worker starts at the
+    version it pulls when it joins (0 for a new job; the current one for a
+    worker that joins mid-job or is restarted) and stops once the shards
+    reach :func:`total_steps`. Round ``v`` uses epoch ``v // steps_per_epoch``'s
+    shuffle, this worker's slice of that round's global batch and
+    :func:`learning_rate` ``(v)``, so every worker agrees on them whenever it
+    joined. Sets ``torch.set_num_threads(1)`` (workers and shards share the
+    node's cores).
+
+    Args:
+        config: the job's settings; ``config.servers`` must list the shards.
+        index: this worker's index in ``[0, config.workers)``: its slice of every global batch.
+        worker_id: the id this worker joins with (default ``rank_worker_id(config.job_name, index)``).
+        connect_timeout: seconds to wait for each shard to answer, and for a crashed
+            predecessor's lease on ``worker_id`` to expire.
+        rpc_timeout: deadline of every call in seconds (a round waits for a dead member up to its lease).
+        wait_for_workers: after joining, wait up to this many seconds (polling shard 0's
+            Stats every 0.2 s) until the job has ``config.workers`` members, so that
+            workers restarted together (torchrun restarts a whole group) take up the
+            job together instead of the first one back running rounds alone; 0 (the
+            default) starts at once. Nothing is refused when the time runs out.
+        on_join: called once joined, before any wait, with ``(version, resumed, members)``.
+        on_step: called after every step with ``(steps this process ran, shards' version, loss)``.
+
+    Returns:
+        ``worker_id``, ``worker_index``, ``workers``, ``joined_version``,
+        ``resumed``, ``version`` (the shards' version at the end),
+        ``local_steps`` (steps this process ran), ``steps`` (the job's rounds),
+        ``test_accuracy`` (fraction of the 360 test images) and ``final_loss``
+        (mean cross-entropy over the training split), both of this worker's
+        final parameters.
+
+    Raises:
+        ValueError: bad settings (no servers, ``index`` out of range, a global batch larger than the data).
+        ConnectionError: a shard did not answer within ``connect_timeout``.
+        shardps.worker.client.ShardRpcError: a shard refused a call (e.g. this worker was dropped).
+    """
     from shardps.worker.optimizer import DistributedOptimizer
 
+    if not config.servers:
+        raise ValueError("train_worker needs running shards: give config.servers")
+    if not 0 <= index < config.workers:
+        raise ValueError(f"worker index {index} is outside [0, {config.workers})")
     torch.set_num_threads(1)  # workers and shards share the node's cores
     x_train, y_train, x_test, y_test = load_split(config.seed)
     model = make_model(config.hidden, config.seed)
+    per_epoch, total = steps_per_epoch(config), total_steps(config)
     global_batch = config.workers * config.batch_size
-    steps_per_epoch = len(y_train) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"workers * batch_size = {global_batch} exceeds the {len(y_train)} training samples")
-    total = steps_per_epoch * config.epochs
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     loss_fn = nn.CrossEntropyLoss()
+    orders: dict[int, torch.Tensor] = {}
+    local_steps = 0
     with DistributedOptimizer(
-        optimizer, model.named_parameters(), servers=servers, worker_id=f"digits-worker-{index}",
+        optimizer, model.named_parameters(), servers=list(config.servers),
+        worker_id=worker_id or rank_worker_id(config.job_name, index),
         chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype, pull_dtype=config.pull_dtype,
+        connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
     ) as dist:
-        bar = tqdm(total=total, desc="train digits", unit="step", disable=index != 0 or not config.progress)
-        for epoch in range(config.epochs):
-            order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))
-            for step in range(steps_per_epoch):
-                mine = order[step * global_batch + index * config.batch_size :][: config.batch_size]
-                dist.zero_grad()
-                loss = loss_fn(model(x_train[mine]), y_train[mine])
-                loss.backward()
-                dist.step()
-                scheduler.step()
-                bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.4f}", refresh=False)
+        version = joined = dist.version
+        if on_join is not None:
+            on_join(joined, dist.resumed, dist.members)
+        deadline = time.monotonic() + wait_for_workers
+        while time.monotonic() < deadline and len(dist.stats()[0].members) < config.workers:
+            time.sleep(0.2)  # bounded by wait_for_workers; rounds wait for this member meanwhile
+        while version < total:
+            epoch, step = divmod(version, per_epoch)
+            if epoch not in orders:
+                orders = {epoch: torch.randperm(
+                    len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))}
+            mine = orders[epoch][step * global_batch + index * config.batch_size :][: config.batch_size]
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, version)
+            dist.zero_grad()
+            loss = loss_fn(model(x_train[mine]), y_train[mine])
+            loss.backward()
+            dist.step()
+            version = dist.version
+            local_steps += 1
+            if on_step is not None:
+                on_step(local_steps, version, loss.item())
+        with torch.no_grad():
+            final_loss = loss_fn(model(x_train), y_train).item()
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        return {
+            "worker_id": dist.worker_id, "worker_index": index, "workers": config.workers,
+            "joined_version": joined, "resumed": dist.resumed, "version": version, "local_steps": local_steps,
+            "steps": total, "test_accuracy": accuracy, "final_loss": final_loss,
+        }
+
+
+def _worker(index: int, config: DigitsConfig, result_path: str) -> None:
+    """One process of :func:`run`: worker ``index``, with a progress bar on worker 0; worker 0 writes the result."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps(config), desc="train digits", unit="step",
+               disable=index != 0 or not config.progress)
+
+    def progress(_: int, version: int, loss: float) -> None:
+        bar.update(version - bar.n)
+        bar.set_postfix(epoch=version // steps_per_epoch(config) + 1, loss=f"{loss:.4f}", refresh=False)
+
+    try:
+        result = train_worker(config, index, on_step=progress)
+    finally:
         bar.close()
-        if index == 0:
-            with torch.no_grad():
-                final_loss = loss_fn(model(x_train), y_train).item()
-                accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-            Path(result_path).write_text(
-                json.dumps({"test_accuracy": accuracy, "final_loss": final_loss, "steps": total,
-                            "version": dist.version})
-            )
+    if index == 0:
+        Path(result_path).write_text(json.dumps(result))
 
 
 def run(config: DigitsConfig) -> dict:
@@ -135,8 +271,9 @@ def run(config: DigitsConfig) -> dict:
 
     Report keys: ``test_accuracy`` (fraction of the 360 test images),
     ``final_loss`` (mean cross-entropy over the training split with the final
-    parameters), ``steps``, ``wall_seconds``, ``workers``, ``shards``,
-    ``mode``, ``servers``, and the config.
+    parameters), ``steps``, ``version``, ``wall_seconds``, ``workers``,
+    ``shards``, ``mode``, ``servers``, the config, and worker 0's
+    :func:`train_worker` result (``worker_id``, ``resumed``, ...).
 
     Raises:
         RuntimeError: a worker or a shard failed (the message says which and why).
@@ -153,7 +290,8 @@ def run(config: DigitsConfig) -> dict:
             servers = embedded.addresses
         try:
             mp.start_processes(
-                _worker, args=(config, servers, result_path), nprocs=config.workers, join=True, start_method="spawn"
+                _worker, args=(replace(config, servers=tuple(servers)), result_path), nprocs=config.workers,
+                join=True, start_method="spawn",
             )
         except mp.ProcessRaisedException as exc:
             raise RuntimeError(f"a digits worker failed:\n{exc}") from None

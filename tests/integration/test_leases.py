@@ -13,6 +13,9 @@ import signal
 import subprocess
 import time
 
+import torch
+from torch import nn
+
 from tests.procs import shard_stats
 from tests.procs import start_worker as start_process
 
@@ -142,3 +145,35 @@ def test_worker_joining_mid_training_takes_part_from_the_next_round(start_cluste
     joined = int(results[3][1].split("joined version=")[1].split()[0])
     assert joined >= 5, "the late worker's first pull returns the current version"
     assert f"done version={joined + 10}" in results[3][1]
+
+
+def test_members_expiring_together_leave_the_shard_working(start_cluster) -> None:
+    """Two members whose leases run out in the same check (a whole node lost): the first one had not pushed
+    the open round, the second had. Both go before the round may close, so the round never averages a push
+    whose member is gone; the next worker trains on, and the shard's counters add up."""
+    from shardps.worker.client import ShardClient
+    from tests.raw import RawWorker, plan_and_spec
+
+    cluster = start_cluster(1, extra_args=("--lease-seconds", "2"))
+    m = nn.Linear(4, 2)
+    plan, spec = plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    client = ShardClient(cluster.addresses[0], index=0)
+    try:
+        a, b, c = (RawWorker(client, w, plan, spec) for w in ("wa", "wb", "wc"))
+        a.join()
+        a.init(0, dict(m.named_parameters()))
+        a.push(0, fill=1.0)  # round 0, a alone (past the first round's --min-workers gate)
+        a.pull(min_version=1)
+        b.join()
+        b.push(0, fill=1.0, round_=1)  # a (the lower id) has not pushed round 1: the round waits for it
+        wait_until(lambda: list(client.stats().members) == [], 10, "both leases to expire")
+        c.join()  # a fresh worker: the round is its alone
+        c.push(0, fill=2.0, round_=1)
+        c.pull(min_version=2)
+        s = client.stats()
+        assert (s.version, s.last_round_contributors, s.lease_expiries) == (2, 1, 2)
+        assert s.pushes_accepted == s.contributions_applied + s.pushes_dropped + len(s.pushed) == 3
+        c.leave()
+    finally:
+        client.close()
+    assert "dropping" not in cluster.log_tail(0, 200)  # neither the guard nor the watcher's error fired
