@@ -446,8 +446,8 @@ class Rounds:
             apply: close the round now if everybody left has pushed; False when the
                 caller drops several members at once (then it calls :meth:`maybe_apply`).
         """
-        if self.pushed.pop(member.worker_id, None) is not None and not self.applying:
-            self.pushes_dropped += 1  # (a closed round being applied still counts it)
+        if not self.applying and self.pushed.pop(member.worker_id, None) is not None:
+            self.pushes_dropped += 1  # (a closed round being applied still counts it: it stays in ``pushed``)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
             stop_call(member.pushing, Aborted(f"worker {shown(member.worker_id)} left during its push"))
         self._give_back(member.staging, member.arena)

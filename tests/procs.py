@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from shardps.proto import shardps_pb2 as pb
@@ -39,3 +40,14 @@ def shard_stats(addresses: list[str], digest: bool = False) -> list[pb.StatsRepl
         finally:
             client.close()
     return out
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """Poll ``predicate()`` every 0.1 s until it is truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

@@ -56,16 +56,23 @@ class JoinPlan:
     patience: float = 30.0
 
 
-def _join_one(client: ShardClient, request: pb.JoinRequest, patience: float) -> pb.JoinReply:
-    """Join one shard, waiting up to ``patience`` seconds for an id held by a dead process to be freed."""
+def _join_one(client: ShardClient, request: Callable[[bool], pb.JoinRequest], patience: float) -> pb.JoinReply:
+    """Join one shard, waiting up to ``patience`` seconds for an id held by a dead process to be freed.
+
+    ``request(again)`` builds each attempt's request (``again`` from the second
+    on, so that it can show shard 0's view of the job as it is now, not as it
+    was when the wait began).
+    """
     deadline = time.monotonic() + patience
+    again = False
     while True:
         try:
-            return client.join(request)
+            return client.join(request(again))
         except ShardRpcError as exc:
             if exc.code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() >= deadline:
                 raise
             time.sleep(0.5)
+            again = True
 
 
 def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
@@ -148,8 +155,12 @@ def join_job(
         return _request(join, view)
 
     for attempt in range(JOIN_ATTEMPTS):
-        first = _join_one(clients[0], request(None), join.patience)
-        replies = [first, *pool.map(lambda c: _join_one(c, request(first.job), join.patience), clients[1:])]
+        first = _join_one(clients[0], lambda again: request(None), join.patience)
+
+        def follow(again: bool) -> pb.JoinRequest:  # shard 0's view now: rounds went on while we waited
+            return request(clients[0].join(request(None)).job if again else first.job)
+
+        replies = [first, *pool.map(lambda c: _join_one(c, follow, join.patience), clients[1:])]
         _check_replies(replies)
         told = [i for i, r in enumerate(replies) if r.initialise]
         if told:

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from tests.procs import shard_stats
+from tests.procs import shard_stats, wait_until
 from tests.procs import start_worker as start_process
 
 LEASE = 2.0
@@ -30,16 +30,6 @@ def start_worker(servers: str, worker_id: str, index: int, workers: int, steps: 
 
 def stats(cluster) -> list:
     return shard_stats(cluster.addresses)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, str]]:
