@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -108,7 +107,7 @@ class Rounds:
             never counted (the member left, or the round was refused); accepted =
             applied + dropped + those of the open round.
         rejoining: after a restore, members of the checkpoint that rounds still
-            wait for (until ``rejoin_deadline``, ``time.monotonic()`` seconds).
+            wait for (for one lease at most: see :meth:`await_rejoin`).
         last_contributors: members whose gradients the last applied round averaged.
         state_bytes: optimizer-state bytes after the last round.
 
@@ -129,7 +128,6 @@ class Rounds:
         self.applied = self.skipped = self.last_contributors = 0
         self.pushes_accepted = self.contributions_applied = self.pushes_dropped = 0
         self.rejoining: set[str] = set()
-        self.rejoin_deadline = 0.0
         self.state_bytes = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
@@ -174,7 +172,6 @@ class Rounds:
         meanwhile stops being waited for once its lease would have run out.
         """
         self.rejoining = set(worker_ids)
-        self.rejoin_deadline = time.monotonic() + seconds
 
         def give_up() -> None:
             if self.rejoining:
@@ -188,9 +185,8 @@ class Rounds:
         asyncio.get_running_loop().call_later(seconds, give_up)
 
     def _still_rejoining(self) -> bool:
-        if self.rejoining and (time.monotonic() >= self.rejoin_deadline
-                               or self.rejoining <= set(self._members.ids())):
-            self.rejoining = set()
+        if self.rejoining and self.rejoining <= set(self._members.ids()):
+            self.rejoining = set()  # all back (else the timer of await_rejoin ends the wait)
         return bool(self.rejoining)
 
     # ------------------------------------------------------------------ push
@@ -292,13 +288,6 @@ class Rounds:
         if self.applying or not self.pushed or (self.version == 0 and len(self._members) < self.config.min_workers):
             return None
         if self._still_rejoining() or self.waiting_for():
-            return None
-        for w in [w for w in self.pushed if (m := self._members.find(w)) is None or m.staging is None]:
-            log.error("shard %d: dropping a push of %s that no member holds (a bug: members are taken out of "
-                      "the round when they go)", self.config.shard_index, shown(w))
-            del self.pushed[w]
-            self.pushes_dropped += 1
-        if not self.pushed:
             return None
         workers = sorted(self.pushed)
         members = [self._members.find(w) for w in workers]

@@ -113,13 +113,12 @@ class LocalCluster:
         raise RuntimeError(f"shard {shard} did not report its address in {self.start_timeout:.0f}s:\n"
                            f"{self.log_tail(shard)}")
 
-    def restart(self, shard: int, *, same_port: bool = False, down_seconds: float = 0.0) -> str:
+    def restart(self, shard: int, *, same_port: bool = False) -> str:
         """Kill shard ``shard`` (SIGKILL: no shutdown; what it did not checkpoint is lost) and start it again.
 
         Args:
             same_port: start the new process on the old address (workers reconnect
                 to it on their own); else on a new free port.
-            down_seconds: how long the shard stays down between the two.
 
         Returns:
             The new shard's address; ``addresses`` is updated.
@@ -132,7 +131,6 @@ class LocalCluster:
         old.wait()
         if old.stdout:
             old.stdout.close()
-        time.sleep(down_seconds)
         port = int(self.addresses[shard].rpartition(":")[2]) if same_port else 0
         self.processes[shard] = self._spawn(shard, port)
         self.addresses[shard] = self._wait_address(shard, time.monotonic() + self.start_timeout)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from shardps.proto import shardps_pb2 as pb
 from shardps.proto.checkpoint import newest
 from shardps.proto.codec import TORCH_DTYPES
 from shardps.proto.plan import PartitionPlan
@@ -154,8 +155,6 @@ def from_checkpoints(directory: str | Path, num_shards: int | None = None, *, ve
             raise FileNotFoundError(f"no intact checkpoint{f' of version {version}' if version else ''} in "
                                     f"{directory / f'shard-{shard}'}")
         if plan is None:
-            from shardps.proto import shardps_pb2 as pb
-
             plan = PartitionPlan.from_proto(pb.PlanSpec.FromString(snap.plan))
             if num_shards is not None and plan.num_shards != num_shards:
                 raise RuntimeError(f"the checkpoints are of a job with {plan.num_shards} shards, not {num_shards}")

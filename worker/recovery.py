@@ -58,7 +58,6 @@ class Recovery:
 
     Attributes:
         restarted: shards the heartbeat thread found restarted, to rejoin between steps.
-        rejoins: how many times a shard was joined again.
     """
 
     def __init__(self, clients: Sequence[ShardClient], join: JoinPlan, job_id: str, incarnations: list[str],
@@ -66,7 +65,6 @@ class Recovery:
         self.clients, self.join, self.job_id, self.incarnations = list(clients), join, job_id, list(incarnations)
         self.pull = pull
         self.restarted: set[int] = set()
-        self.rejoins = 0
 
     def is_restarted(self, shard: int, timeout: float | None = None, retried: bool = True) -> bool:
         """Whether shard ``shard`` is another process than the one joined (its Stats' incarnation differs).
@@ -87,7 +85,6 @@ class Recovery:
         restarted = incarnation != self.incarnations[shard]
         self.incarnations[shard] = incarnation
         self.restarted.discard(shard)
-        self.rejoins += 1
         log.warning("worker %s rejoined shard %d (%s) after %s: %s; its partition goes on from version %d",
                     self.join.worker_id, shard, self.clients[shard].address, why,
                     "the shard restarted (rounds since its checkpoint are lost)" if restarted else "same process",
