@@ -1,34 +1,46 @@
-"""Training benchmark: shardps sync vs torch DDP (Gloo) vs DDP + ZeroRedundancyOptimizer, one run.
+"""Training benchmark: shardps sync (per worker and reduced within the node) vs torch DDP (Gloo) vs DDP + ZeRO.
 
     python benchmarks/train.py [--json PATH] [--model transformer|mlp] [--steps 50] [--batch-size N]
 
-2 worker processes train the same model with AdamW (fused, lr 1e-3) on the
-same synthetic batches (each worker its half of every global batch), one
-torch thread per worker:
+2 processes train the same model with AdamW (fused, lr 1e-3) on the same
+synthetic batches (each process its half of every global batch), one torch
+thread per process:
 
 - transformer (default): a 6-layer pre-norm causal Transformer LM, d_model
   384, 6 heads, vocabulary 8192, context 64 (17.0 M parameters), 32
-  sequences per worker per step;
+  sequences per process per step;
 - mlp: 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5 M parameters), 64 samples
-  per worker per step: far less compute per parameter, so it shows the
+  per process per step: far less compute per parameter, so it shows the
   communication-bound end.
 
-Systems:
-- shardps: sync (BSP), 2 shard processes on 127.0.0.1 holding the weights
-  and the AdamW moments; pulls overlap the next forward (``model=``);
+Systems (``--systems``, all by default):
+- shardps (2 workers): sync (BSP), 2 shard processes on 127.0.0.1 holding
+  the weights and the AdamW moments; each process is a worker of its own
+  (2 contributors per round); pulls overlap the next forward (``model=``);
+- shardps_node (1 node x 2 local ranks, reduction within the node): the same
+  2 shards, but both processes are local ranks of one node in one Gloo
+  process group (``shardps.worker.node.NodeOptimizer``): ``dist.reduce``
+  averages the gradients on local rank 0, which alone pushes and pulls as
+  the single contributor ``node0`` (shards started with ``min_workers=1``),
+  then broadcasts the parameters; no overlapped pull;
 - ddp: DistributedDataParallel over Gloo (``gradient_as_bucket_view=True``),
-  AdamW on every worker;
+  AdamW on every process;
 - zero: the same DDP + ZeroRedundancyOptimizer(AdamW) (ZeRO stage 1,
   Rajbhandari et al., SC 2020).
 
 Figures per system: samples/s over the timed steps (all but the first 5;
-a sample is one sequence or one image), ``final_loss`` (loss of a fixed
-held-out batch with the final parameters), ``model_state_bytes`` (bytes of
-the distinct tensor storages a worker holds for parameters, gradients and
-optimizer state, counted from the live objects after the last step),
-``peak_rss_bytes`` (peak resident memory) and ``rss_growth_bytes`` (peak RSS
-minus RSS just before the model was built: model state plus communication
-buffers and allocator slack), the larger of the two workers for each.
+a sample is one sequence or one image) and its ratio to DDP's, ``final_loss``
+(loss of a fixed held-out batch with the final parameters),
+``model_state_bytes`` (bytes of the distinct tensor storages a process holds
+for parameters, gradients and optimizer state, counted from the live
+objects after the last step), ``peak_rss_bytes`` (peak resident memory) and
+``rss_growth_bytes`` (peak RSS minus RSS just before the model was built:
+model state plus communication buffers and allocator slack), the larger of
+the two processes for each. The shardps rows also give
+``push_bytes_per_step``: the growth of the shards' own ``push_bytes_total``
+counters (Stats, summed over shards) over the timed steps, divided by the
+timed steps; reduction within the node should halve it. The goal printed
+for the MLP: shardps_node at least 0.75x DDP's samples/s.
 """
 
 from __future__ import annotations
@@ -54,6 +66,16 @@ LR = 1e-3
 VOCAB, D_MODEL, LAYERS, HEADS, CONTEXT = 8192, 384, 6, 6, 64
 D_IN, HIDDEN, CLASSES = 1024, 2048, 10
 DEFAULT_BATCH = {"transformer": 32, "mlp": 64}
+#: Systems whose weights live on shardps shards (they report ``push_bytes_per_step``).
+SHARDPS = ("shardps", "shardps_node")
+LABELS = {
+    "shardps": "shardps (2 workers)",
+    "shardps_node": "shardps with reduction within the node (1 node x 2 local ranks)",
+    "ddp": "ddp",
+    "zero": "zero",
+}
+#: MLP goal: shardps_node samples/s at least this fraction of DDP's.
+NODE_GOAL = 0.75
 
 
 class TinyLM(nn.Module):
@@ -115,27 +137,59 @@ def state_bytes(tensors) -> int:
 
 def _optimizer_tensors(opt) -> list:
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps the local shard's optimizer in .optim
-    inner = getattr(inner, "_optimizer", inner)  # DistributedOptimizer wraps the user's optimizer
+    # DistributedOptimizer and NodeOptimizer wrap the user's optimizer
+    inner = getattr(inner, "_optimizer", inner)
     return [v for st in inner.state.values() for v in st.values()]
 
 
+def _shard_push_bytes(system: str, opt, rank: int, barrier) -> int:
+    """Bytes the shards have received in pushes so far (Stats ``push_bytes_total`` summed over shards).
+
+    Read on rank 0 between two steps, exactly: every process first waits
+    for its own last round to finish (for the 2-worker row,
+    ``synchronize()``; a PushPull's pull starts only after its push is
+    counted), all meet at ``barrier``, rank 0 reads, and all meet again
+    before anyone pushes more. 0 on other ranks and for the non-shardps
+    systems.
+    """
+    if system not in SHARDPS:
+        return 0
+    if system == "shardps":
+        opt.synchronize()
+    barrier.wait()
+    total = 0
+    if rank == 0:
+        inner = opt if system == "shardps" else opt.inner  # the node leader's DistributedOptimizer
+        total = sum(reply.push_bytes_total for reply in inner.stats())
+    barrier.wait()
+    return total
+
+
 def _worker(
-    rank: int, kind: str, system: str, endpoint: str, steps: int, per_worker: int, chunk_bytes: int, out_dir: str
+    rank: int, kind: str, system: str, servers: str, rendezvous: str, steps: int, per_worker: int,
+    chunk_bytes: int, barrier, out_dir: str,
 ) -> None:
+    """One process of ``system``: train ``steps`` steps on its half of each batch, write its figures to ``out_dir``."""
     torch.set_num_threads(1)
-    if system in ("ddp", "zero"):
-        dist.init_process_group("gloo", init_method=f"tcp://{endpoint}", rank=rank, world_size=WORKERS,
+    if system != "shardps":  # ddp, zero, and the node's process group of shardps_node
+        dist.init_process_group("gloo", init_method=f"tcp://{rendezvous}", rank=rank, world_size=WORKERS,
                                 timeout=datetime.timedelta(seconds=300))
     eval_x, eval_y = batch(kind, 10_000, 2 * per_worker)
     baseline = current_rss_bytes()
     model = make_model(kind)
+    net = model
     if system == "shardps":
         from shardps.worker import DistributedOptimizer
 
         opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
-                                   model.named_parameters(), servers=endpoint, worker_id=f"bench-{rank}",
+                                   model.named_parameters(), servers=servers, worker_id=f"bench-{rank}",
                                    model=model, chunk_bytes=chunk_bytes)
-        net = model
+    elif system == "shardps_node":
+        from shardps.worker.node import NodeOptimizer
+
+        opt = NodeOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
+                            servers=servers, node_id="node0", named_buffers=model.named_buffers(),
+                            chunk_bytes=chunk_bytes)
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -145,9 +199,10 @@ def _worker(
             opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         else:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
-    start = 0.0
+    start, pushed = 0.0, 0
     for step in range(steps):
         if step == WARMUP:
+            pushed = -_shard_push_bytes(system, opt, rank, barrier)
             start = time.perf_counter()
         x, y = batch(kind, step, WORKERS * per_worker)
         mine = slice(rank * per_worker, (rank + 1) * per_worker)
@@ -157,15 +212,16 @@ def _worker(
     if system == "shardps":
         opt.synchronize()  # the last pull may still be landing
     seconds = time.perf_counter() - start
+    pushed += _shard_push_bytes(system, opt, rank, barrier)
     held = state_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *_optimizer_tensors(opt)])
     with torch.no_grad():
         final_loss = loss_of(kind, model, eval_x, eval_y).item()
     peak = peak_rss_bytes()
-    if system == "shardps":
+    if system in SHARDPS:
         opt.close()
-    else:
+    if system != "shardps":
         dist.destroy_process_group()
-    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held}")
+    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held} {pushed}")
 
 
 def free_port() -> int:
@@ -175,14 +231,19 @@ def free_port() -> int:
 
 
 def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -> dict:
+    """Train with ``system`` in :data:`WORKERS` spawned processes; its figures (see the module docstring)."""
     from shardps.worker import LocalCluster
 
     with tempfile.TemporaryDirectory() as out:
-        cluster = LocalCluster(2, min_workers=WORKERS).start() if system == "shardps" else None
-        endpoint = cluster.servers if cluster else f"127.0.0.1:{free_port()}"
+        cluster = None
+        if system in SHARDPS:  # the node is one contributor: its shards must not wait for a second one
+            cluster = LocalCluster(2, min_workers=WORKERS if system == "shardps" else 1).start()
+        servers = cluster.servers if cluster else ""
+        rendezvous = f"127.0.0.1:{free_port()}"
+        barrier = mp.get_context("spawn").Barrier(WORKERS)
         try:
-            mp.start_processes(_worker, args=(kind, system, endpoint, steps, per_worker, chunk_bytes, out), nprocs=WORKERS,
-                               start_method="spawn")
+            mp.start_processes(_worker, args=(kind, system, servers, rendezvous, steps, per_worker, chunk_bytes,
+                                              barrier, out), nprocs=WORKERS, start_method="spawn")
         finally:
             if cluster:
                 cluster.stop()
@@ -190,41 +251,54 @@ def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -
     seconds = max(float(r[0]) for r in rows)
     losses = [float(r[1]) for r in rows]
     assert losses[0] == losses[1], f"{system}: workers disagree on the final parameters"
-    return {
+    result = {
         "samples_per_s": WORKERS * per_worker * (steps - WARMUP) / seconds,
         "final_loss": losses[0],
         "peak_rss_bytes": max(int(r[2]) for r in rows),
         "rss_growth_bytes": max(int(r[3]) for r in rows),
         "model_state_bytes": max(int(r[4]) for r in rows),
     }
+    if system in SHARDPS:
+        result["push_bytes_per_step"] = int(rows[0][5]) / (steps - WARMUP)  # read on rank 0
+    return result
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, help="samples per worker per step (default 32 sequences / 64 images)")
-    p.add_argument("--systems", default="shardps,ddp,zero")
+    p.add_argument("--batch-size", type=int, help="samples per process per step (default 32 sequences / 64 images)")
+    p.add_argument("--systems", default="shardps,shardps_node,ddp,zero")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
     args = p.parse_args()
     if args.steps <= WARMUP:
         p.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    systems = args.systems.split(",")
+    if unknown := [s for s in systems if s not in LABELS]:
+        p.error(f"unknown systems {unknown}; choose from {list(LABELS)}")
     per_worker = args.batch_size or DEFAULT_BATCH[args.model]
     params = sum(q.numel() for q in make_model(args.model).parameters())
-    print(f"{args.model}: {params / 1e6:.1f} M parameters, {per_worker} samples per worker per step, "
-          f"{WORKERS} workers, {args.steps} steps", flush=True)
+    print(f"{args.model}: {params / 1e6:.1f} M parameters, {per_worker} samples per process per step, "
+          f"{WORKERS} processes, {args.steps} steps", flush=True)
     results = {}
-    for system in args.systems.split(","):
+    for system in systems:
         print(f"running {system} ...", flush=True)
         results[system] = run(args.model, system, args.steps, per_worker, args.chunk_bytes)
+    if "ddp" in results:
+        for r in results.values():
+            r["ratio_samples_per_s_vs_ddp"] = r["samples_per_s"] / results["ddp"]["samples_per_s"]
     mib = 1 << 20
     print(table(
-        [[s, f"{r['samples_per_s']:.1f}", f"{r['final_loss']:.6f}", f"{r['model_state_bytes'] / mib:.0f}",
+        [[LABELS[s], f"{r['samples_per_s']:.1f}",
+          f"{r['ratio_samples_per_s_vs_ddp']:.2f}" if "ratio_samples_per_s_vs_ddp" in r else "-",
+          f"{r['push_bytes_per_step'] / mib:.1f}" if "push_bytes_per_step" in r else "-",
+          f"{r['final_loss']:.6f}", f"{r['model_state_bytes'] / mib:.0f}",
           f"{r['peak_rss_bytes'] / mib:.0f}", f"{r['rss_growth_bytes'] / mib:.0f}"] for s, r in results.items()],
-        ["system", "samples/s", "final loss", "model state MiB", "peak RSS MiB", "RSS growth MiB"],
+        ["system", "samples/s", "x DDP", "pushed to shards MiB/step", "final loss", "model state MiB",
+         "peak RSS MiB", "RSS growth MiB"],
     ))
-    out = {"model": args.model, "chunk_bytes": args.chunk_bytes, "params": params, "steps": args.steps, "timed_steps": args.steps - WARMUP,
-           "per_worker_batch": per_worker, "workers": WORKERS, **results}
+    out = {"model": args.model, "chunk_bytes": args.chunk_bytes, "params": params, "steps": args.steps,
+           "timed_steps": args.steps - WARMUP, "per_worker_batch": per_worker, "workers": WORKERS, **results}
     if "shardps" in results and "ddp" in results:
         s, d = results["shardps"], results["ddp"]
         out["ratio_samples_per_s"] = s["samples_per_s"] / d["samples_per_s"]
@@ -233,6 +307,22 @@ def main() -> None:
         out["final_loss_abs_diff"] = abs(s["final_loss"] - d["final_loss"])
         print(f"shardps / ddp: samples/s {out['ratio_samples_per_s']:.2f}, model state memory "
               f"{out['ratio_model_state_bytes']:.2f}, |final loss diff| {out['final_loss_abs_diff']:.2e}")
+    if "shardps_node" in results and "ddp" in results:
+        n, d = results["shardps_node"], results["ddp"]
+        out["node_final_loss_abs_diff"] = abs(n["final_loss"] - d["final_loss"])
+        print(f"shardps_node / ddp: samples/s {n['ratio_samples_per_s_vs_ddp']:.2f}, "
+              f"|final loss diff| {out['node_final_loss_abs_diff']:.2e}")
+        if args.model == "mlp":
+            met = n["ratio_samples_per_s_vs_ddp"] >= NODE_GOAL
+            out["node_goal"] = {"min_ratio_samples_per_s_vs_ddp": NODE_GOAL,
+                                "ratio_samples_per_s_vs_ddp": n["ratio_samples_per_s_vs_ddp"], "met": met}
+            print(f"goal (MLP): shardps_node >= {NODE_GOAL:.2f}x DDP samples/s: "
+                  f"{'met' if met else 'NOT met'} ({n['ratio_samples_per_s_vs_ddp']:.2f}x)")
+    if "shardps" in results and "shardps_node" in results:
+        w, n = results["shardps"]["push_bytes_per_step"], results["shardps_node"]["push_bytes_per_step"]
+        out["ratio_push_bytes_node_vs_workers"] = n / w
+        print(f"bytes pushed to the shards per step: 1 node x 2 local ranks {n / mib:.1f} MiB, "
+              f"2 workers {w / mib:.1f} MiB (ratio {n / w:.2f})")
     emit(out, args.json)
 
 

@@ -86,8 +86,18 @@ class JobView(_message.Message):
     restored: bool
     def __init__(self, job_id: _Optional[str] = ..., initialiser: _Optional[str] = ..., initialised: _Optional[bool] = ..., version: _Optional[int] = ..., restored: _Optional[bool] = ...) -> None: ...
 
+class ModeSpec(_message.Message):
+    __slots__ = ("mode", "staleness", "scale_lr_by_staleness")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_LR_BY_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    staleness: int
+    scale_lr_by_staleness: bool
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., scale_lr_by_staleness: _Optional[bool] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job", "static_digest")
+    __slots__ = ("worker_id", "plan", "plan_fingerprint", "optimizer", "session", "job", "static_digest", "mode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +105,7 @@ class JoinRequest(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATIC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     plan: PlanSpec
     plan_fingerprint: str
@@ -102,7 +113,8 @@ class JoinRequest(_message.Message):
     session: str
     job: JobView
     static_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., static_digest: _Optional[str] = ...) -> None: ...
+    mode: ModeSpec
+    def __init__(self, worker_id: _Optional[str] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., session: _Optional[str] = ..., job: _Optional[_Union[JobView, _Mapping]] = ..., static_digest: _Optional[str] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("initialise", "version", "members", "shard_index", "job", "lease_seconds", "incarnation")
@@ -179,7 +191,7 @@ class StatsRequest(_message.Message):
     def __init__(self, digest: _Optional[bool] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan", "mode", "staleness_histogram", "clocks")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +223,9 @@ class StatsReply(_message.Message):
     PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     REJOINING_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -242,7 +257,10 @@ class StatsReply(_message.Message):
     pushes_dropped: int
     rejoining: _containers.RepeatedScalarFieldContainer[str]
     plan: PlanSpec
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ...) -> None: ...
+    mode: ModeSpec
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
+    clocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
     __slots__ = ("min_version",)

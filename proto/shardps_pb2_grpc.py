@@ -118,7 +118,8 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Gradients of one round; returns once they are accepted.
+        """Gradients of one round; returns once they are accepted (in async and
+        ssp modes each push is applied on its own, in arrival order).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,9 +134,10 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushPull(self, request_iterator, context):
-        """A sync step in one round trip: push the round's gradients (and buffers,
+        """A step in one round trip: push the round's gradients (and buffers,
         ending with a RoundTrailer), then receive the parameters of version
-        round + 1. A round that clips or scales adds one exchange first: the
+        round + 1 (sync), or of the newest version once this push is applied
+        (async; ssp also waits until the slowest live worker is within the bound). A round that clips or scales adds one exchange first: the
         shard sends a RoundReport and the worker answers with a RoundCommit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

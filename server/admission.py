@@ -27,6 +27,7 @@ from shardps.server.config import ShardConfig
 from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, stop_call
 from shardps.server.job import Job, check_view_for_new_job, new_job_id
 from shardps.server.membership import Member, Membership
+from shardps.server.modes import Mode
 from shardps.server.optimizer import ShardOptimizer
 from shardps.server.rounds import Rounds
 
@@ -114,6 +115,10 @@ class Admission:
                 f"this shard accepts at most {cfg.max_groups}"
             )
         hyperparams = _hyperparams_without_lr(request.optimizer)
+        mode = Mode.from_proto(request.mode)
+        if cfg.mode and mode.name != cfg.mode:
+            raise FailedPrecondition(f"the worker trains in mode {mode.name!r} but this shard was started with "
+                                     f"--mode {cfg.mode}: start every worker with mode {cfg.mode!r}")
         if cfg.shard_index > 0 and not request.job.job_id:
             raise InvalidArgument(
                 f"joining shard {cfg.shard_index} needs shard 0's job view: join shard 0 first (the worker library does)"
@@ -124,12 +129,18 @@ class Admission:
                     await self._new_job(request, hyperparams)
         job = self.job
         job.check_same_job(request, hyperparams)
+        if job.mode is not None:
+            job.mode.check_same(mode)
         if cfg.shard_index > 0:
             job.check_view(request.job, cfg.shard_index, self.version)
         if request.worker_id not in self._members:
             checks.check_memory(job.table.numel, job.state_buffers, len(self._members) + 1, cfg)
         member, is_new = self._members.admit(request.worker_id, request.session)
         # Past every refusal: only now may the Join change the job.
+        if job.mode is None:  # the first joiner (or the first one back after a restore) fixes the mode
+            job.mode = self.rounds.mode = mode
+        if is_new:
+            self.rounds.admitted(member)
         if cfg.shard_index > 0 and job.adopt_initialiser(request.job):
             self._arm_expiry(job)
         if cfg.shard_index == 0 and job.initialiser is None and not job.initialised:
@@ -185,8 +196,9 @@ class Admission:
             check_view_for_new_job(request.job, cfg.shard_index)
         job.job_id = new_job_id() if cfg.shard_index == 0 else request.job.job_id
         self.job = job
-        log.info("shard %d: job %s, plan %s, %d chunks, %d elements, optimizer %s", cfg.shard_index, job.job_id,
-                 job.fingerprint, len(job.table.chunks), job.table.numel, job.spec.class_name)
+        log.info("shard %d: job %s, plan %s, %d chunks, %d elements, optimizer %s, mode %s", cfg.shard_index,
+                 job.job_id, job.fingerprint, len(job.table.chunks), job.table.numel, job.spec.class_name,
+                 Mode.from_proto(request.mode).describe())
         return job
 
     def _arm_expiry(self, job: Job) -> None:
@@ -357,7 +369,7 @@ class Admission:
         if buffers.numel() != job.table.buffer_bytes:
             raise ValueError("the checkpoint's buffers do not fit this shard's part of its plan")
         self.rounds.start(job.table, optimizer, params, buffers, [set(hp) for hp in job.hyperparams])
-        self.rounds.version = snap.version
+        self.rounds.version = self.rounds.snapshot_version = snap.version
         job.job_id, job.initialised, job.initialised_by, job.restored = snap.job_id, True, snap.initialised_by, True
         self.job = job
         log.warning("shard %d: restored job %s at version %d from a checkpoint", cfg.shard_index, job.job_id,

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
                    help="longest a pull waits for a round (default 600)")
     p.add_argument("--grace-seconds", type=float, default=d.grace_seconds,
                    help="SIGTERM grace for in-flight calls (default 5)")
+    p.add_argument("--mode", choices=("sync", "async", "ssp"), default="",
+                   help="refuse workers that train in another consistency mode (default: the first worker's)")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf gradients instead of rejecting them")
     a = p.parse_args(argv)
     budget = {} if a.memory_budget_bytes is None else {"memory_budget_bytes": a.memory_budget_bytes}
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
             checkpoint_dir=a.checkpoint_dir, checkpoint_every_rounds=a.checkpoint_every_rounds,
             checkpoint_every_seconds=a.checkpoint_every_seconds, keep_checkpoints=a.keep_checkpoints,
-            restore_version=a.restore_version,
+            restore_version=a.restore_version, mode=a.mode,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
             grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
         )

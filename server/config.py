@@ -69,6 +69,8 @@ class ShardConfig:
         lease_seconds: a member that makes no call (workers send a Heartbeat
             every third of it) for this long is dropped, as if it had left:
             the open round stops waiting for it.
+        mode: when set (``sync``, ``async`` or ``ssp``), workers that train in another
+            mode are refused; empty: the job's first joiner fixes it.
     """
 
     shard_index: int
@@ -95,6 +97,7 @@ class ShardConfig:
     checkpoint_every_seconds: float = 0.0
     keep_checkpoints: int = 3
     restore_version: int = 0
+    mode: str = ""
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -113,6 +116,8 @@ class ShardConfig:
                 self.keep_checkpoints < 1:
             raise ValueError("checkpoint_every_rounds, checkpoint_every_seconds and restore_version must be >= 0, "
                              "keep_checkpoints >= 1")
+        if self.mode not in ("", "sync", "async", "ssp"):
+            raise ValueError(f"mode must be sync, async or ssp, got {self.mode!r}")
         if not 0.5 <= self.lease_seconds <= 3600:
             raise ValueError(f"lease_seconds must be in [0.5, 3600], got {self.lease_seconds}")
         if self.max_workers < self.min_workers:

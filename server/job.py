@@ -28,6 +28,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.server.checks import shown
 from shardps.server.chunks import ChunkTable
 from shardps.server.errors import FailedPrecondition, InvalidArgument
+from shardps.server.modes import Mode
 
 _RESET_FIX = ("restart the lost shard on its --checkpoint-dir (it restores its newest checkpoint), or clear every "
               "shard with `shardps reset --servers ...` to begin a new job")
@@ -51,6 +52,8 @@ class Job:
         initialiser_lost: the named initialiser left or timed out before initialising.
         initialised: Init completed; ``initialised_by`` names who sent it.
         restored: the job was restored from a checkpoint when this shard started.
+        mode: the consistency mode the first joiner fixed (None after a restore until
+            the first worker joins again).
         init_streaming: the task receiving the initialiser's Init stream, if one is (the
             timer waits; the initialiser leaving cancels it).
         expiry: timer that frees the initialiser role after ``init_timeout_seconds``.
@@ -69,6 +72,7 @@ class Job:
     initialised: bool = False
     initialised_by: str = ""
     restored: bool = False
+    mode: Mode | None = None
     init_streaming: asyncio.Task | None = None
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -152,7 +156,9 @@ class Job:
                     f"{shown(view.initialiser)} as the job's initialiser: the shards hold parameters from different "
                     f"workers; {_RESET_FIX}"
                 )
-            if view.initialised and abs(view.version - version) > 1 and not (self.restored or view.restored):
+            synchronous = self.mode is None or self.mode.synchronous  # async shards drift apart freely
+            if (view.initialised and synchronous and abs(view.version - version) > 1
+                    and not (self.restored or view.restored)):
                 raise FailedPrecondition(
                     f"shard {shard_index} is at version {version} but shard 0 at {view.version}: in sync training "
                     "shards are at most one round apart unless one was restored from a checkpoint, so one of them "

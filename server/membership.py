@@ -51,6 +51,9 @@ class Member:
         failed: ``(round, error)`` when the round it pushed was refused; its
             waiting calls raise ``error`` until it pushes again.
         expires: when its lease runs out (``time.monotonic()`` seconds).
+        clock: async/ssp: its pushes this shard applied (a member that joins
+            a running job starts at the slowest live member's clock).
+        applied_round: async/ssp: the round of its push applied last (-1: none).
     """
 
     worker_id: str
@@ -61,6 +64,8 @@ class Member:
     last_round: int = -1
     failed: tuple[int, ShardError] | None = None
     expires: float = 0.0
+    clock: int = 0
+    applied_round: int = -1
 
 
 class Membership:

@@ -30,6 +30,11 @@ membership and notifier. Everything a round needs is captured in one
 synchronous step when it closes (:meth:`Rounds.maybe_apply`), so a Leave or
 a push arriving while the apply starts cannot change it.
 
+In async and ssp modes (``modes.py``) the same machinery closes a "round"
+of one push as soon as it is accepted, in arrival order: no averaging, the
+push's own learning rates (optionally divided by its staleness), one
+optimizer step per push; pushes that arrive meanwhile queue in ``pushed``.
+
 Staging memory: each member's push is received into a gradient buffer the
 size of the shard's parameters (and a byte arena the size of its buffers),
 taken when the push starts and given back when the round is applied, the
@@ -54,6 +59,7 @@ from shardps.server.chunks import ChunkTable
 from shardps.server.config import ShardConfig
 from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable, stop_call
 from shardps.server.membership import Member, Membership
+from shardps.server.modes import Mode, StalenessHistogram
 from shardps.server.optimizer import RoundRefused, ShardOptimizer, average_
 
 log = logging.getLogger(__name__)
@@ -110,6 +116,10 @@ class Rounds:
             wait for (for one lease at most: see :meth:`await_rejoin`).
         last_contributors: members whose gradients the last applied round averaged.
         state_bytes: optimizer-state bytes after the last round.
+        mode: the job's consistency mode (``modes.py``).
+        staleness: counts of applied gradients by staleness.
+        snapshot_version: the version the parameters hold, as seen from the compute
+            thread (async pulls snapshot parameters there).
 
     Args:
         config: the shard's settings.
@@ -129,6 +139,9 @@ class Rounds:
         self.pushes_accepted = self.contributions_applied = self.pushes_dropped = 0
         self.rejoining: set[str] = set()
         self.state_bytes = 0
+        self.mode = Mode()
+        self.staleness = StalenessHistogram()
+        self.snapshot_version = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
         self.params: dict[int, torch.Tensor] = {}
@@ -148,6 +161,7 @@ class Rounds:
     def forget(self) -> None:
         """The job was forgotten before initialisation: drop its buffers."""
         self.table, self.optimizer, self.params, self._spare, self._spare_arenas = None, None, {}, [], []
+        self.mode = Mode()
 
     def reset(self) -> None:
         """The job was reset (no members, nothing applying): drop everything, back to version 0."""
@@ -155,8 +169,9 @@ class Rounds:
         self.buffers = torch.empty(0, dtype=torch.uint8)
         self.pushed.clear()
         self.version = self.applied = self.skipped = self.last_contributors = self.state_bytes = 0
-        self.pushes_accepted = self.contributions_applied = self.pushes_dropped = 0
+        self.pushes_accepted = self.contributions_applied = self.pushes_dropped = self.snapshot_version = 0
         self.rejoining = set()
+        self.staleness.reset()
 
     def waiting_for(self) -> list[str]:
         """Members whose push of the open round has not been accepted, then checkpoint members not back yet."""
@@ -217,15 +232,22 @@ class Rounds:
         if member.last_round == rnd:  # a retry of an accepted push: never double-count
             earlier = self.pushed.get(member.worker_id)
             return 0, earlier is not None and _needs_commit(earlier.trailer)
-        if self.applying:
-            raise Aborted(
-                f"round {self.version} is being applied; pull version {self.version + 1}, "
-                f"then push round {self.version + 1}"
-            )
-        if rnd != self.version:
+        if self.mode.synchronous:
+            if self.applying:
+                raise Aborted(
+                    f"round {self.version} is being applied; pull version {self.version + 1}, "
+                    f"then push round {self.version + 1}"
+                )
+            if rnd != self.version:
+                raise FailedPrecondition(
+                    f"worker {shown(member.worker_id)} pushed round {rnd} but the shard is collecting round "
+                    f"{self.version}: pull version {self.version} and push round {self.version}"
+                )
+        elif rnd > self.version or member.worker_id in self.pushed:
             raise FailedPrecondition(
-                f"worker {shown(member.worker_id)} pushed round {rnd} but the shard is collecting round "
-                f"{self.version}: pull version {self.version} and push round {self.version}"
+                f"worker {shown(member.worker_id)} pushed a gradient of version {rnd} but the shard is at version "
+                f"{self.version}{' and still holds its previous push' if rnd <= self.version else ''}: push the "
+                "gradient of the version last pulled, once the previous push came back"
             )
         if member.pushing is not None:
             raise Aborted(f"another push from worker {shown(member.worker_id)} is in progress")
@@ -255,7 +277,8 @@ class Rounds:
             if trailer.inv_scale and not header.scaled:
                 raise InvalidArgument(f"{what}: inv_scale is set but the round header does not say 'scaled'")
             received = rx.finish(trailer.absent_keys)
-            if self._members.find(member.worker_id) is not member or self.version != rnd or self.applying:
+            if self._members.find(member.worker_id) is not member or (
+                    self.mode.synchronous and (self.version != rnd or self.applying)):
                 raise Aborted(f"round {rnd} closed without worker {shown(member.worker_id)}'s push (it left)")
         except BaseException:
             self._give_back(staging, arena)
@@ -267,11 +290,21 @@ class Rounds:
         self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams)
         needs_commit = _needs_commit(trailer)
         task = self.maybe_apply()
-        if task is not None and not needs_commit:
+        if task is not None and not needs_commit and self.mode.synchronous:
             await asyncio.shield(task)  # the last pusher's reply carries the new version
             if member.failed is not None and member.failed[0] == rnd:
                 raise member.failed[1]
         return received, needs_commit
+
+    def admitted(self, member: Member) -> None:
+        """A new member: in async/ssp it starts at the slowest live member's clock (or 0)."""
+        member.clock = min((m.clock for m in self._members.members() if m is not member), default=0)
+        if not self.mode.synchronous and self.table is not None:
+            self.maybe_apply()  # pushes queued while the job waited for --min-workers
+
+    def slowest_clock(self) -> int:
+        """The lowest clock of the live members (0 with none)."""
+        return min((m.clock for m in self._members.members()), default=0)
 
     def _give_back(self, staging: dict[int, torch.Tensor] | None, arena: torch.Tensor | None) -> None:
         limit = max(1, len(self._members))
@@ -287,16 +320,19 @@ class Rounds:
         """Close the open round and start applying it if every member has pushed it."""
         if self.applying or not self.pushed or (self.version == 0 and len(self._members) < self.config.min_workers):
             return None
-        if self._still_rejoining() or self.waiting_for():
-            return None
-        workers = sorted(self.pushed)
+        if self.mode.synchronous:
+            if self._still_rejoining() or self.waiting_for():
+                return None
+            workers = sorted(self.pushed)
+        else:
+            workers = [next(iter(self.pushed))]  # one push at a time, in arrival order
         members = [self._members.find(w) for w in workers]
         pushes = [self.pushed[w] for w in workers]
         lead = pushes[0]
         present = set(range(len(self.table.plan.keys)))
         present -= set.intersection(*(set(p.trailer.absent_keys) for p in pushes))
-        closed = Closed(self.version, members, [m.staging for m in members], [m.arena for m in members], lead,
-                        present)
+        number = self.version if self.mode.synchronous else members[0].last_round
+        closed = Closed(number, members, [m.staging for m in members], [m.arena for m in members], lead, present)
         for m in members:
             m.staging = m.arena = None  # the apply owns the buffers now: a member leaving meanwhile frees nothing
         self.applying, self.closed = True, closed
@@ -306,9 +342,13 @@ class Rounds:
     async def _apply(self, closed: Closed, pushes: list[_Pushed], workers: list[str]) -> None:
         """Average, exchange report and commits if needed, step; then advance the version or refuse."""
         skip = False
+        staleness = self.version - closed.number
         try:
             self._check_agreement(closed, pushes, workers)
             lead = closed.lead.trailer
+            lrs = list(lead.lrs)
+            if self.mode.scale_lr and staleness > 1:
+                lrs = [lr / staleness for lr in lrs]
             norm_type = lead.norm_type or 2.0
 
             def average_and_report() -> None:
@@ -328,10 +368,10 @@ class Rounds:
                 if closed.lead.hyperparams is not None:
                     self.optimizer.set_hyperparams(closed.lead.hyperparams)
                 if not skip:
-                    self.optimizer.apply(closed.grads[0], closed.present, list(lead.lrs), clip_coef,
-                                         self.config.reject_nonfinite)
+                    self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef, self.config.reject_nonfinite)
                 if closed.arenas[0] is not None:
                     self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
+                self.snapshot_version = self.version + 1  # read by snapshots on this (compute) thread
 
             await self._run(step)
         except RoundRefused as exc:
@@ -354,12 +394,19 @@ class Rounds:
             self.contributions_applied += len(closed.members)
             self.skipped += skip
             self.state_bytes = self.optimizer.state_bytes()
+            self.staleness.record(staleness, len(closed.members))
+            for m in closed.members:
+                m.clock += 1
+                m.applied_round = closed.number
         finally:
             for grads, arena in zip(closed.grads, closed.arenas):
                 self._give_back(grads, arena)
-            self.pushed.clear()
+            for w in workers:
+                self.pushed.pop(w, None)
             self.applying, self.closed = False, None
             self._notify()
+            if not self.mode.synchronous:  # the next queued push, after the calls waiting for a gap between applies
+                asyncio.get_running_loop().call_soon(self.maybe_apply)
 
     def _check_agreement(self, closed: Closed, pushes: list[_Pushed], workers: list[str]) -> None:
         """Every member must scale and clip alike (else some would not take part in the commit exchange)."""
@@ -435,7 +482,8 @@ class Rounds:
             apply: close the round now if everybody left has pushed; False when the
                 caller drops several members at once (then it calls :meth:`maybe_apply`).
         """
-        if not self.applying and self.pushed.pop(member.worker_id, None) is not None:
+        applying_it = self.closed is not None and member in self.closed.members
+        if not applying_it and self.pushed.pop(member.worker_id, None) is not None:
             self.pushes_dropped += 1  # (a closed round being applied still counts it: it stays in ``pushed``)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
             stop_call(member.pushing, Aborted(f"worker {shown(member.worker_id)} left during its push"))

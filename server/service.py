@@ -166,8 +166,12 @@ class ShardServicer:
             timeout = min(remaining, self.store.config.max_wait_seconds) if remaining else \
                 self.store.config.max_wait_seconds
             self.store.commit(header.worker_id, header.session, await _commit(request_iterator, timeout))
-        version = await self.store.wait_version(header.worker_id, header.session, header.round + 1,
-                                                context.time_remaining())
+        if self.store.rounds.mode.synchronous:
+            version = await self.store.wait_version(header.worker_id, header.session, header.round + 1,
+                                                    context.time_remaining())
+        else:
+            await self.store.wait_turn(header.worker_id, header.session, header.round, context.time_remaining())
+            version = -1  # the newest, read between two applies
         async for frame in self.store.pull(version, header.pull_dtype):
             yield frame
 

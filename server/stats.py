@@ -43,4 +43,7 @@ def stats_reply(store, digest: str = "", with_plan: bool = False) -> pb.StatsRep
         pushes_dropped=rounds.pushes_dropped,
         rejoining=sorted(rounds.rejoining),
         plan=pb.PlanSpec.FromString(job.plan_bytes) if with_plan and job is not None else None,
+        mode=job.mode.to_proto() if job is not None and job.mode is not None else None,
+        staleness_histogram=rounds.staleness.counts,
+        clocks=[] if rounds.mode.synchronous else [store._members.find(w).clock for w in store._members.ids()],
     )

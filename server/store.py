@@ -209,7 +209,7 @@ class ShardStore:
 
         def report() -> pb.RoundReport | None:
             closed = self.rounds.closed
-            if closed is not None and closed.number == round_ and closed.report is not None:
+            if closed is not None and closed.number == round_ and closed.report is not None and member in closed.members:
                 return closed.report
             return None
 
@@ -257,7 +257,8 @@ class ShardStore:
             return (
                 self._closing or failed() or self._members.find(worker_id) is not member
                 or (job is not None and not job.initialised and job.initialiser is None)
-                or (job is not None and job.initialised and not rounds.applying and rounds.version >= min_version)
+                or (job is not None and job.initialised and rounds.version >= min_version
+                    and not (rounds.applying and rounds.mode.synchronous))  # async pulls read a snapshot
             )
 
         if not ready():
@@ -309,6 +310,8 @@ class ShardStore:
         checks.check_dtype(dtype_code, "pull dtype")
         dtype = FLOAT_DTYPES[dtype_code or pb.FLOAT32]
         job, rounds = self._job, self.rounds
+        if not rounds.mode.synchronous:
+            return self._snapshot(dtype)
 
         def check() -> None:
             self._check_open()
@@ -316,6 +319,67 @@ class ShardStore:
                 raise Aborted(f"shard moved on from version {version} during the pull; pull again")
 
         return self._stream(job.table.frames(rounds.params, rounds.buffers, version, dtype, check))
+
+    async def _snapshot(self, dtype) -> AsyncIterator[bytes]:
+        """async/ssp: every frame of the newest version, encoded on the compute thread between two applies.
+
+        Pushes are applied back to back, so a pull cannot wait for a moment
+        without one; encoding on the compute thread, which runs the applies,
+        reads one whole version (memory: one copy of the shard's parameters
+        in the wire dtype per pull being sent).
+        """
+        job, rounds = self._job, self.rounds
+
+        def encode() -> list[bytes]:
+            return list(job.table.frames(rounds.params, rounds.buffers, rounds.snapshot_version, dtype, lambda: None))
+
+        frames = await self._run(encode)
+        self._check_open()
+        async for frame in self._stream(frames):
+            yield frame
+
+    async def wait_turn(self, worker_id: str, session: str, round_: int, timeout: float | None) -> None:
+        """async/ssp: wait until this member's push of ``round_`` is applied and, in ssp, its clock is allowed.
+
+        In ssp with bound ``s``, a member whose clock is ``c`` waits until the
+        slowest live member's clock is ``c - s`` or more (Ho et al., NIPS 2013);
+        a member that leaves or is dropped stops being waited for.
+
+        Raises:
+            FailedPrecondition: not a member of this session.
+            InvalidArgument: the push was refused (its error).
+            Aborted: the member left or was dropped meanwhile.
+            DeadlineExceeded: not applied, or the slowest worker not close enough, in time
+                (the message names the slowest workers).
+        """
+        member = self._members.get(worker_id, session)
+        rounds = self.rounds
+        limit = self.config.max_wait_seconds if timeout is None else min(timeout - min(1.0, timeout / 20),
+                                                                          self.config.max_wait_seconds)
+
+        def failed() -> bool:
+            return member.failed is not None and member.failed[0] == round_
+
+        def allowed() -> bool:
+            return rounds.mode.name != "ssp" or rounds.slowest_clock() >= member.clock - rounds.mode.staleness
+
+        def ready() -> bool:
+            return (self._closing or failed() or self._members.find(worker_id) is not member
+                    or (member.applied_round >= round_ and allowed()))
+
+        done = await self._notifier.wait_for(ready, limit)
+        self._check_open()
+        if failed():
+            raise member.failed[1]
+        if self._members.find(worker_id) is not member:
+            raise Aborted(f"worker {shown(worker_id)} stopped being a member of this shard while it waited: join again")
+        if not done:
+            slow = sorted(self._members.members(), key=lambda m: m.clock)[:5]
+            raise DeadlineExceeded(
+                f"shard {self.config.shard_index}: worker {shown(worker_id)} at clock {member.clock} waited "
+                f"{limit:.1f}s (push applied: {member.applied_round >= round_}); slowest workers "
+                f"{[(shown(m.worker_id), m.clock) for m in slow]} (ssp bound {rounds.mode.staleness})"
+            )
 
     async def _stream(self, frames) -> AsyncIterator[bytes]:
         sent = 0

@@ -87,6 +87,25 @@ def launcher_rank(environ: Mapping[str, str]) -> tuple[int, int | None, int]:
     return rank, world, restarts
 
 
+def _node_group(rank: int, world: int, local_ranks: int):
+    """torchrun with ``--nproc-per-node L``: ``(node, nodes, local rank, the node's Gloo group)``.
+
+    torchrun numbers the ranks of a node consecutively (``GROUP_RANK * L +
+    LOCAL_RANK``), so node ``n`` is ranks ``[n L, (n + 1) L)``; every rank
+    joins the default group (env://) and ``new_subgroups`` cuts it per node.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``local_ranks``.
+    """
+    import torch.distributed as torch_dist
+
+    if world % local_ranks:
+        raise ValueError(f"the launcher's WORLD_SIZE {world} is not a multiple of --local-ranks {local_ranks}")
+    torch_dist.init_process_group("gloo")
+    group, _ = torch_dist.new_subgroups(group_size=local_ranks)
+    return rank // local_ranks, world // local_ranks, rank % local_ranks, group
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="shardps: a sharded parameter server for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -117,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk-bytes", type=int, default=1 << 20, help="largest chunk in bytes (default 1 MiB)")
     d.add_argument("--push-dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="gradient wire type")
     d.add_argument("--pull-dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="parameter wire type")
+    d.add_argument("--mode", choices=["sync", "async", "ssp"], default="sync",
+                   help="consistency mode (default sync: the exact equivalent of one process on the whole batch)")
+    d.add_argument("--staleness", type=int, default=None, help="ssp: clocks a worker may run ahead of the slowest")
+    d.add_argument("--local-ranks", type=int, default=1,
+                   help="processes per worker (node): they reduce with torch.distributed (Gloo) first and push as "
+                        "one contributor (default 1); with --worker-index env, torchrun's --nproc-per-node")
     d.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     d.add_argument("--report", type=Path, help="write a JSON report to this path")
     s = sub.add_parser("stats", help="print each shard's Stats as JSON")
@@ -150,13 +175,14 @@ def _train_digits(args: argparse.Namespace) -> int:
         workers=2 if args.workers is None else args.workers, shards=args.shards, servers=args.servers,
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, chunk_bytes=args.chunk_bytes,
         push_dtype=args.push_dtype, pull_dtype=args.pull_dtype, progress=not args.no_progress,
-        job_name=args.job_name,
+        job_name=args.job_name, mode=args.mode, staleness=args.staleness, local_ranks=args.local_ranks,
     )
     report = run(config)
     print(
         f"digits: test accuracy {report['test_accuracy']:.4f}, final loss {report['final_loss']:.4f}, "
         f"{report['steps']} steps in {report['wall_seconds']:.1f}s "
-        f"({report['workers']} workers, {report['shards']} shards, {report['mode']})"
+        f"({report['workers']} workers x {report['local_ranks']} local ranks, {report['shards']} shards, "
+        f"{report['mode']})"
     )
     _write_report(args.report, report)
     return 0
@@ -191,14 +217,20 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
         workers = world if world is not None else args.workers
     else:
         index, workers = args.worker_index, 2 if args.workers is None else args.workers
+    local_rank, group = 0, None
+    if args.local_ranks > 1:
+        index, workers, local_rank, group = _node_group(index, workers, args.local_ranks)
     config = DigitsConfig(
         workers=workers, servers=args.servers, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
         seed=args.seed, chunk_bytes=args.chunk_bytes, push_dtype=args.push_dtype, pull_dtype=args.pull_dtype,
-        progress=False, job_name=args.job_name,
+        progress=False, job_name=args.job_name, mode=args.mode, staleness=args.staleness,
+        local_ranks=args.local_ranks,
     )
     if not 0 <= index < workers:
         raise ValueError(f"worker index {index} is outside [0, {workers})")
     wid, pid = rank_worker_id(config.job_name, index), os.getpid()
+    if args.local_ranks > 1:
+        wid = f"{config.job_name}-node{index}"  # the node's contributor id, stable across torchrun restarts
     _say(f"start pid={pid} worker_id={wid} rank={index} workers={workers} restart={restarts} t={time.time():.3f}")
 
     def joined(version: int, resumed: bool, members: list[str]) -> None:
@@ -212,7 +244,8 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     result = train_worker(config, index, worker_id=wid, connect_timeout=args.connect_timeout,
-                          wait_for_workers=args.wait_for_workers, on_join=joined, on_step=step)
+                          wait_for_workers=args.wait_for_workers, on_join=joined, on_step=step,
+                          local_rank=local_rank, group=group)
     wall = time.perf_counter() - start
     _say(f"done pid={pid} worker_id={wid} version={result['version']} local_steps={result['local_steps']} "
          f"test_accuracy={result['test_accuracy']:.4f} final_loss={result['final_loss']:.4f}")
@@ -221,7 +254,7 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
          f"{result['local_steps']} steps in this process in {wall:.1f}s"
          + (f" (resumed at version {result['joined_version']})" if result["resumed"] else ""))
     _write_report(args.report, {
-        **result, "wall_seconds": wall, "shards": config.shards, "mode": "sync", "servers": ",".join(args.servers),
+        **result, "wall_seconds": wall, "shards": config.shards, "mode": config.mode, "servers": ",".join(args.servers),
         "restart": restarts, "pid": pid, "config": asdict(config),
     })
     return 0

@@ -53,6 +53,10 @@ class DigitsConfig:
         push_dtype, pull_dtype: wire types ("fp32", "bf16", "fp16").
         progress: show a progress bar (worker 0).
         job_name: names the workers: worker ``i`` joins as ``<job_name>-rank<i>`` (see :func:`rank_worker_id`).
+        mode: ``"sync"``, ``"async"`` or ``"ssp"`` (see ``DistributedOptimizer``).
+        local_ranks: processes per worker ("node"): they reduce their gradients with
+            torch.distributed (Gloo) first and push as one contributor (``shardps.worker.node``).
+        staleness: ssp's bound (required with ``mode="ssp"``).
     """
 
     workers: int = 2
@@ -68,11 +72,17 @@ class DigitsConfig:
     pull_dtype: str = "fp32"
     progress: bool = True
     job_name: str = "digits"
+    mode: str = "sync"
+    staleness: int | None = None
+    local_ranks: int = 1
 
     def __post_init__(self) -> None:
+        from shardps.worker.optimizer import mode_spec
+
+        mode_spec(self.mode, self.staleness, False)  # ValueError names the fix
         if not (0 < len(self.job_name) <= 200 and self.job_name.isprintable() and " " not in self.job_name):
             raise ValueError(f"job_name must be 1 to 200 printable characters without spaces, got {self.job_name!r}")
-        for name in ("workers", "shards", "epochs", "batch_size", "hidden"):
+        for name in ("workers", "shards", "epochs", "batch_size", "hidden", "local_ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -114,15 +124,21 @@ def steps_per_epoch(config: DigitsConfig) -> int:
         ValueError: the global batch is larger than the training split.
     """
     n_train = _train_size(config.seed)
-    global_batch = config.workers * config.batch_size
+    global_batch = config.workers * config.local_ranks * config.batch_size
     if global_batch > n_train:
         raise ValueError(f"workers * batch_size = {global_batch} exceeds the {n_train} training samples")
     return n_train // global_batch
 
 
 def total_steps(config: DigitsConfig) -> int:
-    """Rounds of the whole job: the shards' version at which every worker stops (``epochs * steps_per_epoch``)."""
-    return config.epochs * steps_per_epoch(config)
+    """The shards' version at which every worker stops.
+
+    Sync: the job's rounds, ``epochs * steps_per_epoch`` (each round averages
+    every worker's batch). async/ssp: every push is a version, so
+    ``epochs * steps_per_epoch * workers`` pushes, which see as many samples.
+    """
+    rounds = config.epochs * steps_per_epoch(config)
+    return rounds if config.mode == "sync" else rounds * config.workers
 
 
 def learning_rate(config: DigitsConfig, version: int) -> float:
@@ -154,6 +170,8 @@ def train_worker(
     wait_for_workers: float = 0.0,
     on_join: Callable[[int, bool, list[str]], None] | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
+    local_rank: int = 0,
+    group=None,
 ) -> dict:
     """Run worker ``index`` of ``config.workers`` in this process against the running shards ``config.servers``.
 
@@ -163,7 +181,9 @@ def train_worker(
     reach :func:`total_steps`. Round ``v`` uses epoch ``v // steps_per_epoch``'s
     shuffle, this worker's slice of that round's global batch and
     :func:`learning_rate` ``(v)``, so every worker agrees on them whenever it
-    joined. Sets ``torch.set_num_threads(1)`` (workers and shards share the
+    joined. In async/ssp modes versions are pushes, which several workers may
+    compute from the same version: each worker then walks its own slice
+    (``index::workers``) of each epoch's shuffle with its own step counter. Sets ``torch.set_num_threads(1)`` (workers and shards share the
     node's cores).
 
     Args:
@@ -180,6 +200,10 @@ def train_worker(
             default) starts at once. Nothing is refused when the time runs out.
         on_join: called once joined, before any wait, with ``(version, resumed, members)``.
         on_step: called after every step with ``(steps this process ran, shards' version, loss)``.
+        local_rank, group: with ``config.local_ranks > 1``, this process's rank in its
+            node and the node's ``torch.distributed`` group (initialised by the caller;
+            None: the default group). The node joins as one contributor
+            (``shardps.worker.node.NodeOptimizer``) with ``worker_id``.
 
     Returns:
         ``worker_id``, ``worker_index``, ``workers``, ``joined_version``,
@@ -194,6 +218,7 @@ def train_worker(
         ConnectionError: a shard did not answer within ``connect_timeout``.
         shardps.worker.client.ShardRpcError: a shard refused a call (e.g. this worker was dropped).
     """
+    from shardps.worker.node import NodeOptimizer
     from shardps.worker.optimizer import DistributedOptimizer
 
     if not config.servers:
@@ -204,29 +229,41 @@ def train_worker(
     x_train, y_train, x_test, y_test = load_split(config.seed)
     model = make_model(config.hidden, config.seed)
     per_epoch, total = steps_per_epoch(config), total_steps(config)
-    global_batch = config.workers * config.batch_size
+    slots = config.workers * config.local_ranks  # batches per round: one per process
+    slot = index * config.local_ranks + local_rank
+    global_batch = slots * config.batch_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     orders: dict[int, torch.Tensor] = {}
     local_steps = 0
-    with DistributedOptimizer(
-        optimizer, model.named_parameters(), servers=list(config.servers),
-        worker_id=worker_id or rank_worker_id(config.job_name, index),
-        chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype, pull_dtype=config.pull_dtype,
-        connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
-    ) as dist:
+    worker_id = worker_id or rank_worker_id(config.job_name, index)
+    options = dict(servers=list(config.servers), chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
+                   pull_dtype=config.pull_dtype, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
+                   mode=config.mode, staleness=config.staleness)
+    if config.local_ranks > 1:
+        wrapper = NodeOptimizer(optimizer, model.named_parameters(), node_id=worker_id, group=group, **options)
+    else:
+        wrapper = DistributedOptimizer(optimizer, model.named_parameters(), worker_id=worker_id, **options)
+    with wrapper as dist:
         version = joined = dist.version
         if on_join is not None:
             on_join(joined, dist.resumed, dist.members)
         deadline = time.monotonic() + wait_for_workers
-        while time.monotonic() < deadline and len(dist.stats()[0].members) < config.workers:
+        while local_rank == 0 and time.monotonic() < deadline and len(dist.stats()[0].members) < config.workers:
             time.sleep(0.2)  # bounded by wait_for_workers; rounds wait for this member meanwhile
         while version < total:
             epoch, step = divmod(version, per_epoch)
             if epoch not in orders:
                 orders = {epoch: torch.randperm(
                     len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))}
-            mine = orders[epoch][step * global_batch + index * config.batch_size :][: config.batch_size]
+            if config.mode == "sync":
+                mine = orders[epoch][step * global_batch + slot * config.batch_size :][: config.batch_size]
+            else:  # this worker's own slice, walked with its own step counter
+                epoch, step = divmod(local_steps, per_epoch)
+                if epoch not in orders:
+                    orders = {epoch: torch.randperm(
+                        len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))}
+                mine = orders[epoch][slot::slots][step * config.batch_size :][: config.batch_size]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, version)
             dist.zero_grad()
@@ -241,28 +278,39 @@ def train_worker(
             final_loss = loss_fn(model(x_train), y_train).item()
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         return {
-            "worker_id": dist.worker_id, "worker_index": index, "workers": config.workers,
+            "worker_id": worker_id, "worker_index": index, "local_ranks": config.local_ranks, "workers": config.workers,
             "joined_version": joined, "resumed": dist.resumed, "version": version, "local_steps": local_steps,
             "steps": total, "test_accuracy": accuracy, "final_loss": final_loss,
         }
 
 
-def _worker(index: int, config: DigitsConfig, result_path: str) -> None:
-    """One process of :func:`run`: worker ``index``, with a progress bar on worker 0; worker 0 writes the result."""
+def _worker(process: int, config: DigitsConfig, result_path: str) -> None:
+    """One process of :func:`run`: local rank ``process % local_ranks`` of worker (node) ``process // local_ranks``.
+
+    Process 0 shows the progress bar and writes the result. With several
+    local ranks, each node's processes form a Gloo group (file rendezvous
+    next to ``result_path``).
+    """
     from tqdm import tqdm
 
+    index, local_rank = divmod(process, config.local_ranks)
+    if config.local_ranks > 1:
+        import torch.distributed as torch_dist
+
+        torch_dist.init_process_group("gloo", init_method=f"file://{result_path}.node{index}", rank=local_rank,
+                                      world_size=config.local_ranks)
     bar = tqdm(total=total_steps(config), desc="train digits", unit="step",
-               disable=index != 0 or not config.progress)
+               disable=process != 0 or not config.progress)
 
     def progress(_: int, version: int, loss: float) -> None:
         bar.update(version - bar.n)
         bar.set_postfix(epoch=version // steps_per_epoch(config) + 1, loss=f"{loss:.4f}", refresh=False)
 
     try:
-        result = train_worker(config, index, on_step=progress)
+        result = train_worker(config, index, on_step=progress, local_rank=local_rank)
     finally:
         bar.close()
-    if index == 0:
+    if process == 0:
         Path(result_path).write_text(json.dumps(result))
 
 
@@ -290,7 +338,7 @@ def run(config: DigitsConfig) -> dict:
             servers = embedded.addresses
         try:
             mp.start_processes(
-                _worker, args=(replace(config, servers=tuple(servers)), result_path), nprocs=config.workers,
+                _worker, args=(replace(config, servers=tuple(servers)), result_path), nprocs=config.workers * config.local_ranks,
                 join=True, start_method="spawn",
             )
         except mp.ProcessRaisedException as exc:
@@ -305,8 +353,9 @@ def run(config: DigitsConfig) -> dict:
         **result,
         "wall_seconds": time.perf_counter() - start,
         "workers": config.workers,
+        "local_ranks": config.local_ranks,
         "shards": config.shards,
-        "mode": "sync",
+        "mode": config.mode,
         "servers": "embedded" if embedded is not None else ",".join(servers),
         "config": asdict(config),
     }

@@ -54,6 +54,7 @@ class JoinPlan:
     optimizer: pb.OptimizerSpec
     static_digest: str = ""
     patience: float = 30.0
+    mode: pb.ModeSpec | None = None
 
 
 def _join_one(client: ShardClient, request: Callable[[bool], pb.JoinRequest], patience: float) -> pb.JoinReply:
@@ -75,7 +76,7 @@ def _join_one(client: ShardClient, request: Callable[[bool], pb.JoinRequest], pa
             again = True
 
 
-def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
+def _check_replies(replies: Sequence[pb.JoinReply], synchronous: bool = True) -> None:
     """Refuse a job whose shards disagree: one to initialise while another holds trained state.
 
     Raises:
@@ -94,7 +95,7 @@ def _check_replies(replies: Sequence[pb.JoinReply]) -> None:
             "shards from a checkpoint, or restart every shard to begin a new job"
         )
     versions = [r.version for r in replies]
-    if max(versions) - min(versions) > 1 and not any(r.job.restored for r in replies):
+    if synchronous and max(versions) - min(versions) > 1 and not any(r.job.restored for r in replies):
         raise RuntimeError(
             f"the shards are at versions {versions}: in sync training shards are at most one round apart unless "
             "one was restored from a checkpoint, so a shard lost or replaced its state; restore the shards from a checkpoint, or restart every shard to "
@@ -122,7 +123,7 @@ class Joined:
 def _request(join: JoinPlan, view: pb.JobView | None) -> pb.JoinRequest:
     return pb.JoinRequest(
         worker_id=join.worker_id, session=join.session, plan=join.plan, plan_fingerprint=join.fingerprint,
-        optimizer=join.optimizer, job=view, static_digest=join.static_digest,
+        optimizer=join.optimizer, job=view, static_digest=join.static_digest, mode=join.mode,
     )
 
 
@@ -161,7 +162,7 @@ def join_job(
             return request(clients[0].join(request(None)).job if again else first.job)
 
         replies = [first, *pool.map(lambda c: _join_one(c, follow, join.patience), clients[1:])]
-        _check_replies(replies)
+        _check_replies(replies, join.mode is None or join.mode.mode in ("", "sync"))
         told = [i for i, r in enumerate(replies) if r.initialise]
         if told:
             log.info("worker %s initialises shard(s) %s of job %s", join.worker_id, told, first.job.job_id)

@@ -30,23 +30,44 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import FLOAT_DTYPES, wire_dtype
-from shardps.proto.optim import current_lrs, optimizer_spec
+from shardps.proto.optim import optimizer_spec
 from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker import state as optimizer_state
 from shardps.worker.client import ShardClient, ShardRpcError
-from shardps.worker.commit import RoundOptions, await_decision, decide
+from shardps.worker.commit import RoundOptions, await_decision
 from shardps.worker.join import JoinPlan, join_job
 from shardps.worker.recovery import Recovery
 from shardps.worker.retry import RetryPolicy
 from shardps.worker.overlap import ForwardWaits
 from shardps.worker.lease import Leases
-from shardps.worker.rounds import GradientEditedError, ParameterSink, Round, init_requests, push_requests
+from shardps.worker.rounds import GradientEditedError, ParameterSink, Round
+from shardps.worker.steps import RoundSteps
 from shardps.worker.tensors import HyperparamChanges, buffer_infos, static_digest
+
+__all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id", "mode_spec"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def mode_spec(mode: str, staleness: int | None, scale_lr_by_staleness: bool) -> pb.ModeSpec:
+    """Check the consistency-mode arguments of :class:`DistributedOptimizer`.
+
+    Raises:
+        ValueError: an unknown mode, ssp without an int bound >= 0, a bound or lr
+            scaling with a mode that has none.
+    """
+    if mode not in ("sync", "async", "ssp"):
+        raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
+    if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
+        raise ValueError(f"mode='ssp' needs staleness=s, an int >= 0 (clocks a worker may run ahead); got {staleness!r}")
+    if mode != "ssp" and staleness is not None:
+        raise ValueError(f"staleness={staleness!r} only applies to mode='ssp', not {mode!r}")
+    if scale_lr_by_staleness and mode == "sync":
+        raise ValueError("scale_lr_by_staleness applies to mode='async' or 'ssp' (sync rounds have no staleness)")
+    return pb.ModeSpec(mode=mode, staleness=staleness or 0, scale_lr_by_staleness=scale_lr_by_staleness)
 
 
 def default_worker_id() -> str:
@@ -54,8 +75,8 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class DistributedOptimizer:
-    """Run ``optimizer``'s updates on the shards, synchronously (BSP), with torch.optim's semantics.
+class DistributedOptimizer(RoundSteps):
+    """Run ``optimizer``'s updates on the shards (sync, async or ssp), with torch.optim's semantics.
 
     Args:
         optimizer: a ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad or
@@ -106,6 +127,16 @@ class DistributedOptimizer:
         connect_timeout: how long to wait for each shard to answer, seconds;
             also how long a Join waits for this ``worker_id`` to be freed by a
             crashed process whose lease has not expired yet.
+        mode: ``"sync"`` (default: bulk synchronous rounds, the exact equivalent of
+            single-process training on the whole batch), ``"async"`` (each push
+            applied on arrival with its own learning rates; ``step()`` gets the
+            newest parameters without waiting for other workers) or ``"ssp"``
+            (as async, but a worker never runs more than ``staleness`` steps ahead
+            of the slowest live worker; Ho et al., NIPS 2013). The first worker
+            fixes the job's mode; a worker with another one is refused.
+        staleness: ssp's bound ``s`` (required with ``mode="ssp"``, an int >= 0).
+        scale_lr_by_staleness: async/ssp: the shards divide each push's learning
+            rates by ``max(1, staleness)`` (Zhang et al., IJCAI 2016). Off by default.
         retry_seconds: how long repeatable calls (Join, Pull, Stats, ...) are
             retried after UNAVAILABLE or DEADLINE_EXCEEDED, with capped
             exponential backoff and jitter, before ``ShardRpcError``; also how
@@ -144,6 +175,9 @@ class DistributedOptimizer:
         rpc_timeout: float = 120.0,
         connect_timeout: float = 30.0,
         retry_seconds: float = 60.0,
+        mode: str = "sync",
+        staleness: int | None = None,
+        scale_lr_by_staleness: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if isinstance(servers, str):
@@ -154,6 +188,7 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if chunk_bytes + (64 << 10) > max_message_bytes:
             raise ValueError(f"chunk_bytes {chunk_bytes} does not fit in max_message_bytes {max_message_bytes}")
+        self.mode = mode_spec(mode, staleness, scale_lr_by_staleness)
         self._options = RoundOptions(max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scaler=grad_scaler)
         named = list(named_parameters)
         for name, p in named:
@@ -208,7 +243,8 @@ class DistributedOptimizer:
             ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
-                            static_digest=static_digest(named_map, outside), patience=connect_timeout)
+                            static_digest=static_digest(named_map, outside), patience=connect_timeout,
+                            mode=self.mode)
             joined = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
             self.versions = joined.versions
             self._recovery = Recovery(self._clients, join, joined.job_id, joined.incarnations, self._initial_pull)
@@ -229,132 +265,6 @@ class DistributedOptimizer:
             tensors = {id(t): k for k, t in (*self._params.items(), *self._buffers.items())}
             self._waits = ForwardWaits(model, tensors, lambda: self._pulling, self._finish_pull, rpc_timeout)
         self._routed = optimizer_state.redirect(optimizer, self.state_dict, self.load_state_dict)
-
-    # ------------------------------------------------------------ joining
-    def _header(self, round_: int = 0) -> pb.RoundHeader:
-        return pb.RoundHeader(worker_id=self.worker_id, session=self.session, round=round_,
-                              plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
-                              scaled=self._options.scaled)
-
-    def _init_frames(self, shard: int):
-        return init_requests(self._header(), self.plan, shard, self._params, self._buffers)
-
-    def _initial_pull(self, shard: int, calls: list) -> int:
-        client = self._clients[shard]
-        call = client.pull(pb.PullRequest(
-            min_version=0, plan_fingerprint=self.plan.fingerprint, dtype=self._pull_code,
-            worker_id=self.worker_id, session=self.session,
-        ))
-        calls.append(call)
-        return self._sink.receive(client, call, 0, "pull")
-
-    # ------------------------------------------------------------ pushing
-    def _open_round(self) -> Round:
-        """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
-        if self._round is None:
-            self._finish_pull(rejoin=False)  # blocking wait, normally a no-op: the forward already waited
-            if self._diverged or self._leases.lost:
-                raise RuntimeError(self._diverged or self._leases.lost)
-            rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
-            for shard, client in enumerate(self._clients):
-                requests = push_requests(self._header(self.versions[shard]), rnd.queues[shard], rnd.sent[shard],
-                                         self._push_dtype, self._checksum, rnd, self._rpc_timeout)
-                rnd.calls.append(client.push_pull(requests))
-            self._round = rnd
-        return self._round
-
-    def _decide(self, reports: list[pb.RoundReport]) -> pb.RoundCommit:
-        commit, self.last_grad_norm = decide(reports, self._options, reports[0].round)
-        return commit
-
-    def _enqueue(self, rnd: Round, key: str, grad: torch.Tensor) -> None:
-        rnd.sources[key] = (grad, grad._version)
-        flat = grad.detach().reshape(-1)
-        for c in self._chunks_of.get(key, ()):
-            rnd.queues[c.shard].put(("grad", c, flat[c.offset : c.offset + c.numel]))
-        rnd.pushed.add(key)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        key = self._key_of[id(param)]
-        self._counts[key] += 1
-        if self._counts[key] < self._passes:
-            return
-        with self._lock:
-            rnd = self._open_round()
-            if key in rnd.pushed:
-                raise RuntimeError(
-                    f"gradient of {key!r} is ready again before step(): call step() after every "
-                    f"{self._passes} backward pass(es), or raise backward_passes_per_step"
-                )
-            self._enqueue(rnd, key, param.grad)
-
-    def _start_pull(self) -> None:
-        """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
-        lrs = current_lrs(self._optimizer)
-        bad = [(g, lr) for g, lr in enumerate(lrs) if not (math.isfinite(lr) and lr >= 0)]
-        if bad:
-            raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
-        with self._lock:
-            rnd = self._open_round()
-            try:
-                rnd.check_edits(self._params)
-            except GradientEditedError:
-                self._round, self._counts = None, dict.fromkeys(self._counts, 0)
-                raise
-            absent = []
-            for key, p in self._params.items():
-                if key not in rnd.pushed:
-                    if p.grad is None:
-                        absent.append(self._index[key])  # torch.optim skips it; so do the shards
-                    else:
-                        self._enqueue(rnd, key, p.grad)
-            for key, b in self._buffers.items():
-                flat = b.detach().to("cpu").reshape(-1).clone()  # the next forward may change it while it is sent
-                for c in self._chunks_of.get(key, ()):
-                    rnd.queues[c.shard].put(("buffer", c, flat[c.offset : c.offset + c.numel]))
-            trailer = pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(),
-                                      absent_keys=absent, **self._options.trailer_fields())
-            for q in rnd.queues:
-                q.put(("trailer", trailer))
-                q.put(None)
-            self._round = None
-            self._counts = dict.fromkeys(self._counts, 0)
-        if self._waits is not None:
-            self._waits.learn()
-        expected = [v + 1 for v in self.versions]
-        rnd.futures = [
-            self._pool.submit(self._sink.receive, self._clients[s], call, expected[s], "push_pull", rnd)
-            for s, call in enumerate(rnd.calls)
-        ]
-        self._pulling = rnd
-
-    def _finish_pull(self, rejoin: bool = True) -> None:
-        """Wait for the pending pulls (if any), record the versions received, rejoin restarted shards.
-
-        Every shard's outcome is awaited, not only the first failure. A shard
-        that restarted or dropped the connection is joined again and its
-        current version pulled (``shardps.worker.recovery``). If some shards
-        applied the round and others failed it for another reason, the
-        model's partitions are at different versions and every later step
-        raises (sync training cannot go on from a half-applied round).
-        """
-        rnd, self._pulling = self._pulling, None
-        if rnd is not None:
-            applied, failed = rnd.outcome()
-            rejoined, failed = self._recovery.recover(failed) if failed else ({}, failed)
-            self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
-            if failed:
-                shard, error = failed[0]
-                if applied:
-                    self._diverged = (
-                        f"shard(s) {sorted(applied)} applied round {applied[min(applied)] - 1} but shard {shard} "
-                        f"failed it ({error}): the model's partitions are at different versions {self.versions}; "
-                        "restore the job from a checkpoint"
-                    )
-                raise error
-        if rejoin and self._recovery is not None and self._recovery.restarted:
-            for shard, version in self._recovery.between_steps().items():
-                self.versions[shard] = version
 
     # ------------------------------------------------------------ public API
     @property

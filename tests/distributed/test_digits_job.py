@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardps.worker.client import ShardClient
@@ -35,13 +36,14 @@ def test_main_job_reaches_accuracy(tmp_path: Path) -> None:
 
 
 def test_job_against_running_shards(start_cluster, tmp_path: Path) -> None:
+    """2 workers (nodes) of 2 local ranks each: each node reduces with Gloo and pushes as one contributor."""
     cluster = start_cluster(3, min_workers=2)
     report_path = tmp_path / "report.json"
     proc = run_cli("train", "digits", "--servers", cluster.servers, "--epochs", "2", "--no-progress",
-                   "--report", str(report_path))
+                   "--local-ranks", "2", "--report", str(report_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
-    assert report["shards"] == 3 and report["servers"] == cluster.servers
+    assert report["shards"] == 3 and report["servers"] == cluster.servers and report["local_ranks"] == 2
     for i, address in enumerate(cluster.addresses):
         client = ShardClient(address, index=i)
         stats = client.stats()
@@ -49,6 +51,20 @@ def test_job_against_running_shards(start_cluster, tmp_path: Path) -> None:
         assert stats.version == report["steps"]
         assert list(stats.members) == []  # both workers left cleanly
         assert stats.optimizer == "AdamW" and stats.optimizer_state_bytes > 0
+        assert stats.last_round_contributors == 2 and stats.contributions_applied == 2 * report["steps"]
+
+
+@pytest.mark.parametrize("mode", [["async"], ["ssp", "--staleness", "3"]])
+def test_async_and_ssp_jobs_reach_accuracy(tmp_path: Path, mode: list[str]) -> None:
+    """3 workers, as many samples as 8 sync epochs; every push is a version of the shards."""
+    report_path = tmp_path / "report.json"
+    proc = run_cli("train", "digits", "--workers", "3", "--epochs", "8", "--mode", *mode, "--no-progress",
+                   "--report", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["mode"] == mode[0] and report["workers"] == 3
+    assert report["test_accuracy"] >= 0.93, report
+    assert report["version"] >= report["steps"] == 8 * (1437 // 96) * 3  # pushes, as many samples as sync
 
 
 def test_cli_rejects_bad_input() -> None:

@@ -1,6 +1,9 @@
 """benchmarks/train.py runs end to end and shardps sync computes exactly what DDP computes.
 
-No timing is asserted: speed is reported by the benchmark, never tested.
+Also the row with reduction within the node (1 node x 2 local ranks, one
+contributor): it reports its figures and the shards receive half the bytes
+per step that the 2-worker row sends them. No timing is asserted: speed is
+reported by the benchmark, never tested.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ def test_train_benchmark_matches_ddp_math(tmp_path: Path) -> None:
     assert result["final_loss_abs_diff"] < 1e-4
     # the worker holds no optimizer state: params + grads only, half of DDP's with AdamW
     assert result["ratio_model_state_bytes"] <= 0.6
-    for system in ("shardps", "ddp", "zero"):
+    for system in ("shardps", "shardps_node", "ddp", "zero"):
         assert result[system]["samples_per_s"] > 0 and result[system]["peak_rss_bytes"] > 0
-    assert "samples/s" in proc.stdout
+        assert result[system]["ratio_samples_per_s_vs_ddp"] > 0
+    # the node averages its 2 local ranks' gradients before pushing: same math as DDP
+    assert result["node_final_loss_abs_diff"] < 1e-4
+    # measured on the shards (Stats push_bytes_total): one contributor instead of two halves the bytes
+    workers, node = result["shardps"]["push_bytes_per_step"], result["shardps_node"]["push_bytes_per_step"]
+    assert workers >= 4 * result["params"], "the 2 workers push less than 2 fp32 gradients per step"
+    assert 0.4 * workers <= node <= 0.6 * workers
+    assert 0.4 <= result["ratio_push_bytes_node_vs_workers"] <= 0.6
+    assert "met" in result["node_goal"]  # the goal is reported for the MLP, never asserted
+    assert "samples/s" in proc.stdout and "x DDP" in proc.stdout

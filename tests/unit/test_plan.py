@@ -1,7 +1,22 @@
+import functools
+
 import pytest
 import torch
 
-from shardps.proto.plan import KeyInfo, PartitionPlan, keys_from_named_parameters
+import shardps.proto.plan as plan_module
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.plan import (
+    BUFFER_ITEMSIZE,
+    MIN_PIECE_BYTES,
+    PIECES_PER_SHARD,
+    PLAN_FORMAT,
+    BufferInfo,
+    KeyInfo,
+    PartitionPlan,
+    keys_from_named_parameters,
+    piece_bytes_for,
+)
+from shardps.worker import digits
 
 KEYS = [KeyInfo("a.weight", (100, 10), 0), KeyInfo("a.bias", (100,), 0), KeyInfo("b.weight", (7, 3), 1)]
 
@@ -76,3 +91,155 @@ def test_keys_from_named_parameters_checks_groups() -> None:
     stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="no name in named_parameters"):
         keys_from_named_parameters(list(model.named_parameters()), stranger.param_groups)
+
+
+# --- adaptive piece size (PLAN_FORMAT 3) ---------------------------------------------------------------------------
+
+KIB = 1 << 10
+
+
+def small_cnn() -> torch.nn.Module:
+    """The ~150 KB CNN that fixed 1 MiB chunks split 128,704 / 20,296 bytes over 2 shards (PLAN_FORMAT 2)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 32, 3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(32 * 5 * 5, 40), torch.nn.ReLU(),
+        torch.nn.Linear(40, 10),
+    )
+
+
+def digits_mlp() -> torch.nn.Module:
+    """The digits job's MLP at its default width."""
+    return digits.make_model(digits.DigitsConfig().hidden, 0)
+
+
+def benchmark_transformer() -> torch.nn.Module:
+    """The shapes of ``TinyLM`` in benchmarks/train.py (17.0 M parameters), on the meta device: no memory."""
+    vocab, d_model, layers, heads, context = 8192, 384, 6, 6, 64
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(vocab, d_model)
+        model.pos = torch.nn.Parameter(torch.zeros(context, d_model))
+        layer = torch.nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        model.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        model.norm = torch.nn.LayerNorm(d_model)
+        model.head = torch.nn.Linear(d_model, vocab, bias=False)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 17.0  # as benchmarks/train.py documents
+    return model
+
+
+MODELS = {"small_cnn": small_cnn, "digits_mlp": digits_mlp, "transformer": benchmark_transformer}
+
+
+@functools.cache
+def model_keys(name: str) -> tuple[KeyInfo, ...]:
+    """The optimizer's keys of model ``name`` (built once per test session)."""
+    model = MODELS[name]()
+    keys, outside = keys_from_named_parameters(
+        list(model.named_parameters()), torch.optim.SGD(model.parameters(), lr=0.1).param_groups
+    )
+    assert outside == []
+    return tuple(keys)
+
+
+def loads(plan: PartitionPlan) -> list[int]:
+    """Bytes per shard: fp32 parameters plus buffers."""
+    out = plan.shard_bytes()
+    for c in plan.buffer_chunks:
+        out[c.shard] += c.numel * BUFFER_ITEMSIZE[c.dtype]
+    return out
+
+
+def spread(plan: PartitionPlan) -> float:
+    """(max - min) / mean of the shards' loads."""
+    load = loads(plan)
+    return (max(load) - min(load)) / (sum(load) / len(load))
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shard_bytes_balanced_within_10_percent(name: str, num_shards: int) -> None:
+    keys = model_keys(name)
+    total = 4 * sum(k.numel for k in keys)
+    plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=1 << 20)
+    load = loads(plan)
+    assert sum(load) == total
+    assert max(load) - min(load) <= plan.piece_bytes  # greedy: within one piece
+    if total > num_shards * 32 * KIB:  # the rule's regime: >= 16 pieces per shard, so within 1/16 of the mean
+        assert plan.piece_bytes <= total // (PIECES_PER_SHARD * num_shards)
+    else:  # smaller: the floor sets the piece
+        assert plan.piece_bytes == MIN_PIECE_BYTES
+    assert spread(plan) <= 0.10, f"{name} on {num_shards} shards: {load}"
+
+
+def test_size_regimes_of_the_balance_models() -> None:
+    """Which models the balance test covers in which regime, so that it cannot drift into trivial cases."""
+    totals = {name: 4 * sum(k.numel for k in model_keys(name)) for name in MODELS}
+    assert totals == {"small_cnn": 149_000, "digits_mlp": 104_488, "transformer": 67_854_336}
+    assert totals["small_cnn"] > 2 * 64 * KIB and totals["transformer"] > 4 * 64 * KIB
+    assert totals["transformer"] > 4 * 16 * (1 << 20)  # > 64 MiB: keeps the requested 1 MiB chunks on <= 4 shards
+
+
+def test_old_imbalance_case_is_balanced() -> None:
+    """The small CNN on 2 shards: 128,704 / 20,296 bytes with 1 MiB chunks; now within 10% (and 1%)."""
+    plan = PartitionPlan.build(model_keys("small_cnn"), num_shards=2, chunk_bytes=1 << 20)
+    assert plan.chunk_bytes == 1 << 20 and plan.piece_bytes == 149_000 // 32 // 4 * 4 == 4656
+    assert plan.shard_bytes() == [74_312, 74_688] and spread(plan) <= 0.01
+
+
+def test_adaptive_plan_is_deterministic() -> None:
+    keys = model_keys("small_cnn")
+    p1 = PartitionPlan.build(keys, num_shards=3, chunk_bytes=1 << 20)
+    p2 = PartitionPlan.build(model_keys("small_cnn"), num_shards=3, chunk_bytes=1 << 20)
+    assert p1 == p2 and p1.fingerprint == p2.fingerprint and p1.chunks == p2.chunks
+    assert PartitionPlan.from_proto(p1.to_proto()) == p1  # the shard derives the same pieces from chunk_bytes
+    assert [c.key_index for c in p1.chunks] == sorted(c.key_index for c in p1.chunks)  # key order kept
+
+
+@pytest.mark.parametrize(
+    "name, chunk_bytes",  # the transformer in 64-byte pieces would be a million chunks
+    [(n, cb) for n in MODELS for cb in (64, 4 * KIB, 64 * KIB, 1 << 20) if n != "transformer" or cb >= 64 * KIB],
+)
+def test_pieces_never_exceed_chunk_bytes(name: str, chunk_bytes: int) -> None:
+    plan = PartitionPlan.build(model_keys(name), num_shards=3, chunk_bytes=chunk_bytes)
+    assert plan.piece_bytes <= chunk_bytes and plan.piece_bytes % 4 == 0
+    assert plan.chunk_bytes == plan.to_proto().chunk_bytes == chunk_bytes  # the wire carries the request
+    assert all(4 * c.numel <= plan.piece_bytes for c in plan.chunks)
+    if chunk_bytes <= MIN_PIECE_BYTES:
+        assert plan.piece_bytes == chunk_bytes  # a small request is honoured as is
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+def test_big_model_keeps_the_requested_chunk(num_shards: int) -> None:
+    keys = [KeyInfo(f"layer{i}.weight", (1024, 1024), 0) for i in range(15)] + [KeyInfo("head", (1 << 20,), 0)]
+    assert 4 * sum(k.numel for k in keys) == 64 << 20
+    plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=1 << 20)
+    assert plan.piece_bytes == 1 << 20 and len(plan.chunks) == 64
+    assert loads(plan) == [(64 << 20) // num_shards] * num_shards
+
+
+def test_piece_bytes_rule() -> None:
+    assert piece_bytes_for(0, 1, 1 << 20) == MIN_PIECE_BYTES
+    assert piece_bytes_for(10 * KIB, 4, 256) == 256  # below the floor: the request wins
+    assert piece_bytes_for(64 * KIB * 3, 3, 1 << 20) == 4 * KIB  # just at num_shards x 64 KiB
+    assert piece_bytes_for(1_000_003, 2, 1 << 20) == 31_248  # 1_000_003 // 32 == 31_250, rounded down to 4
+    assert piece_bytes_for(1 << 40, 2, 1 << 20) == 1 << 20
+
+
+def test_buffers_are_cut_into_pieces_and_counted() -> None:
+    keys = [KeyInfo("w", (50_000,), 0)]  # 200,000 bytes
+    buffers = [BufferInfo("running_mean", (30_000,), pb.FLOAT64), BufferInfo("steps", (4_000,), pb.INT8)]
+    plan = PartitionPlan.build(keys, num_shards=2, chunk_bytes=1 << 20, buffers=buffers)
+    assert plan.piece_bytes == piece_bytes_for(200_000 + 240_000 + 4_000, 2, 1 << 20) == 13_872
+    assert all(c.numel * BUFFER_ITEMSIZE[c.dtype] <= plan.piece_bytes for c in plan.buffer_chunks)
+    assert sum(c.numel for c in plan.buffer_chunks if c.key == "running_mean") == 30_000
+    load = loads(plan)
+    assert sum(load) == 444_000 and max(load) - min(load) <= plan.piece_bytes
+
+
+def test_plan_format_is_in_the_fingerprint(monkeypatch) -> None:
+    assert PLAN_FORMAT == 3
+    new = PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint
+    monkeypatch.setattr(plan_module, "PLAN_FORMAT", 2)
+    assert PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint != new

@@ -1,0 +1,81 @@
+"""benchmarks/straggler.py runs end to end, with tiny sizes, and its figures hold what they must.
+
+The benchmark's goals (speed-ups over DDP) are reported by it, never tested:
+they depend on the machine. What is tested can fail for a real reason:
+
+- shardps sync computes what DDP computes, stragglers or not (same final loss);
+- every mode learns (final loss below the initial loss) on the same budget of samples;
+- with a persistent straggler, async gets through the budget faster than sync
+  (it never waits for the slow worker, which therefore does the fewest steps),
+  and the shards saw stale gradients in async but none in sync.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = ("ddp", "sync", "ssp", "async")
+STEPS = 8
+#: simulated compute per step (the benchmark's default is 20 ms): large enough that the straggler's cost, not the
+#: communication overhead of a loaded 2-core machine, sets the pace of the steps
+BASE_SECONDS = 0.08
+
+
+def test_straggler_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "straggler.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "straggler.py"), "--steps", str(STEPS), "--base-seconds",
+         str(BASE_SECONDS), "--run-timeout", "60", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the benchmark, its workers and its shards
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the benchmark did not finish in 280 s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    result = json.loads(out.read_text())
+    config = result["config"]
+    budget = 3 * STEPS * config["batch_size"]
+    scenarios = {"transient": {m: result[m] for m in MODES}, "persistent": result["persistent"]}
+    for scenario, figures in scenarios.items():
+        assert set(figures) >= set(MODES), scenario
+        for mode, r in figures.items():
+            where = f"{scenario}/{mode}"
+            assert r["samples_per_s"] > 0 and r["wall_seconds"] > 0, where
+            assert math.isfinite(r["final_loss"]), where
+            assert r["samples"] == budget and sum(r["steps_per_worker"]) == 3 * STEPS, where
+            assert r["final_loss"] < config["initial_loss"], f"{where} did not learn"
+        # the same math, whatever the stragglers do to the timing
+        assert math.isclose(figures["sync"]["final_loss"], figures["ddp"]["final_loss"], rel_tol=1e-3), scenario
+        assert figures["sync"]["staleness"]["max"] == 0, scenario
+        assert figures["ssp"]["staleness_bound"] == config["staleness_bound"]
+        for mode in ("sync", "ssp", "async"):
+            assert figures[mode]["staleness"]["applied"] == 3 * STEPS, f"{scenario}/{mode}"
+
+    persistent = result["persistent"]
+    steps = persistent["async"]["steps_per_worker"]
+    assert steps[2] < min(steps[:2]), f"async waited for the straggler: steps per worker {steps}"
+    assert persistent["async"]["staleness"]["max"] > 0
+    assert persistent["async"]["samples_per_s"] > persistent["sync"]["samples_per_s"], persistent
+
+    goals = result["goals"]
+    for name in ("transient_ssp_samples_per_s_vs_ddp", "transient_async_samples_per_s_vs_ddp",
+                 "transient_ssp_final_loss_vs_ddp", "transient_async_final_loss_vs_ddp",
+                 "persistent_async_samples_per_s_vs_ddp"):
+        assert goals[name]["value"] > 0 and goals[name]["goal"] and isinstance(goals[name]["met"], bool), name
+    ssp = goals["persistent_ssp_samples_per_s_vs_ddp"]
+    assert ssp["goal"] is None and "by design" in ssp["note"]
+    expected = persistent["async"]["samples_per_s"] / persistent["ddp"]["samples_per_s"]
+    assert math.isclose(goals["persistent_async_samples_per_s_vs_ddp"]["value"], expected)
+    assert "samples/s" in stdout and "persistent" in stdout

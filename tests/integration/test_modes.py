@@ -1,0 +1,197 @@
+"""Consistency modes: async and ssp against real shards, a slowed worker, the mode fixed by the first joiner.
+
+Workers are threads of this test process (each with its own model replica
+and DistributedOptimizer); shards are real processes. One worker sleeps
+before every ``step()`` (a straggler); the others record when each of their
+steps begins (``time.monotonic()``, one clock for every thread).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from shardps.worker.client import ShardRpcError
+from shardps.worker.optimizer import DistributedOptimizer, mode_spec
+from tests.threads import run_workers
+
+STEPS = 12
+SLOW_SECONDS = 0.25
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(servers: str, worker: int, mode: str, staleness: int | None = None, steps: int = STEPS,
+          slow: int | None = None, optimizer: str = "sgd") -> dict:
+    """Run ``steps`` steps; returns the start time of each, the versions received and the model."""
+    model = make_model()
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    starts, versions = [], []
+    with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{worker}", mode=mode,
+                              staleness=staleness, chunk_bytes=256, rpc_timeout=60) as dist:
+        for step in range(steps):
+            starts.append(time.monotonic())
+            x, y = batch(step, worker)
+            nn.functional.cross_entropy(model(x), y).backward()
+            if worker == slow:
+                time.sleep(SLOW_SECONDS)
+            dist.step()
+            dist.zero_grad()
+            versions.append(list(dist.versions))
+        stats = dist.stats()
+    return {"starts": starts, "versions": versions, "model": model, "stats": stats, "end": time.monotonic()}
+
+
+def ssp_violations(starts: list[list[float]], s: int) -> list[tuple[int, int, int]]:
+    """``(fast, slow, clock)`` where worker ``fast`` began step ``clock`` before ``slow`` began step ``clock - s - 1``.
+
+    A worker that begins step ``c`` has completed ``c`` steps; ssp lets it go
+    only once every live worker has completed ``c - s``, i.e. each has pushed
+    (so begun) step ``c - s - 1`` before then. The check never blames a
+    correct run: a step's push is applied after the step began.
+    """
+    bad = []
+    for a, mine in enumerate(starts):
+        for b, theirs in enumerate(starts):
+            for c in range(s + 1, len(mine)):
+                if a != b and c - s - 1 < len(theirs) and theirs[c - s - 1] >= mine[c]:
+                    bad.append((a, b, c))
+    return bad
+
+
+def test_mode_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs staleness"):
+        mode_spec("ssp", None, False)
+    with pytest.raises(ValueError, match="only applies to mode='ssp'"):
+        mode_spec("async", 2, False)
+    with pytest.raises(ValueError, match="must be 'sync', 'async' or 'ssp'"):
+        mode_spec("hogwild", None, False)
+    with pytest.raises(ValueError, match="sync rounds have no staleness"):
+        mode_spec("sync", None, True)
+    assert mode_spec("ssp", 0, False).staleness == 0
+
+
+def test_first_joiner_fixes_the_mode(start_cluster) -> None:
+    cluster = start_cluster(2)
+    model = make_model()
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                              servers=cluster.servers, worker_id="first", mode="ssp", staleness=2):
+        other = make_model()
+        with pytest.raises(ShardRpcError) as info:
+            DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(),
+                                 servers=cluster.servers, worker_id="second", mode="async")
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'async'" in str(info.value) and "'ssp s=2'" in str(info.value)
+        with pytest.raises(ShardRpcError, match="'ssp s=3'.*'ssp s=2'"):
+            DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(),
+                                 servers=cluster.servers, worker_id="third", mode="ssp", staleness=3)
+        stats = cluster_stats(cluster)
+        assert [list(s.members) for s in stats] == [["first"], ["first"]]  # the refused joins changed nothing
+        assert stats[0].mode.mode == "ssp" and stats[0].mode.staleness == 2
+
+
+def cluster_stats(cluster) -> list:
+    from shardps.worker.client import ShardClient
+
+    out = []
+    for i, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=i)
+        out.append(client.stats())
+        client.close()
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_async_with_one_worker_is_plain_training(start_cluster, optimizer: str) -> None:
+    """One async worker: every push is applied at staleness 0, exactly single-process training."""
+    cluster = start_cluster(2)
+    result = train(cluster.servers, 0, "async", steps=10, optimizer=optimizer)
+    model = make_model()
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for step in range(10):
+        x, y = batch(step, 0)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), result["model"].parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=name)
+    assert result["versions"] == [[v, v] for v in range(1, 11)]
+    assert [list(s.staleness_histogram)[:2] for s in result["stats"]] == [[10, 0], [10, 0]]
+
+
+def test_slowed_worker_ssp_keeps_the_bound_and_async_never_waits(start_cluster) -> None:
+    """3 workers, worker 2 sleeps 0.25 s before every step()."""
+    cluster = start_cluster(2)
+    s = 2
+    ssp = run_workers(3, lambda w: train(cluster.servers, w, "ssp", staleness=s, slow=2), timeout=120)
+    starts = [r["starts"] for r in ssp]
+    assert ssp_violations(starts, s) == []
+    # it did bind: the fast workers could not finish long before the slow one
+    assert min(r["end"] for r in ssp[:2]) > starts[2][STEPS - s - 1]
+    stats = ssp[2]["stats"]
+    assert all(sum(st.staleness_histogram) == 3 * STEPS for st in stats)
+
+    cluster = start_cluster(2)
+    asp = run_workers(3, lambda w: train(cluster.servers, w, "async", slow=2), timeout=120)
+    starts = [r["starts"] for r in asp]
+    # the fast workers finished all their steps before the slow one was half-way: nobody waited for it
+    assert max(r["end"] for r in asp[:2]) < starts[2][STEPS // 2]
+    assert ssp_violations(starts, s)  # the same check catches a run that ignores the bound
+    hist = [list(st.staleness_histogram) for st in asp[2]["stats"]]
+    assert all(sum(h) == 3 * STEPS for h in hist)
+    assert all(sum(h[3:]) > 0 for h in hist)  # the slow worker's gradients were applied stale
+    for r in asp:
+        assert all(b[0] > a[0] for a, b in zip(r["versions"], r["versions"][1:]))  # newest version, always ahead
+
+
+@pytest.mark.parametrize("mode,staleness", [("async", None), ("ssp", 0)])
+def test_overlap_accumulation_and_scheduler_work_in_every_mode(start_cluster, mode: str, staleness) -> None:
+    """One worker with model= (overlapped pulls), 2 backward passes per step and a StepLR schedule.
+
+    With one worker every push is applied at staleness 0, so the result is
+    exactly a single process doing the same.
+    """
+    cluster = start_cluster(2)
+
+    def recipe(model: nn.Module):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    model = make_model()
+    opt, sched = recipe(model)
+    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers, worker_id="w0", mode=mode,
+                              staleness=staleness, model=model, backward_passes_per_step=2, chunk_bytes=256) as dist:
+        for step in range(8):
+            for micro in range(2):
+                x, y = batch(step, micro)
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            dist.step()
+            dist.zero_grad()
+            sched.step()
+        dist.synchronize()
+        assert dist.versions == [8, 8]
+    expected = make_model()
+    opt, sched = recipe(expected)
+    for step in range(8):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(step, micro)
+            (nn.functional.cross_entropy(expected(x), y) / 2).backward()
+        opt.step()
+        sched.step()
+    for (name, want), got in zip(expected.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)

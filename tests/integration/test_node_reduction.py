@@ -1,0 +1,57 @@
+"""Reduction within a node first: 2 nodes x 2 local ranks equal single-process training (sync mode).
+
+Each node's two local ranks average their gradients with torch.distributed
+(Gloo on CPU, NCCL on CUDA) and the node leader pushes one contribution; the
+shards average the two nodes. With equal quarter batches that is the mean
+gradient of the whole batch, so after 20 steps every rank's parameters must
+equal one process training on the whole batch within 1e-5, with AdamW and
+with SGD (Nesterov momentum), both with two param groups and an LR scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shardps.worker.client import ShardClient
+from tests import node_proc
+from tests.integration.test_sync_oracle import STEPS, make_model, train_single
+
+NAMES = ("adamw", "sgd_nesterov")
+
+
+def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
+    clusters = {name: start_cluster(2, min_workers=2) for name in NAMES}
+    mp.start_processes(node_proc.run, args=({n: c.servers for n, c in clusters.items()}, str(tmp_path), device),
+                       nprocs=4, join=True, start_method="spawn")
+    initial = make_model()
+    for name, cluster in clusters.items():
+        expected = train_single(name)
+        for i in range(4):
+            got = torch.load(tmp_path / f"{name}-{i}.pt")
+            for (key, want), init in zip(expected.named_parameters(), initial.parameters()):
+                assert (want - init).abs().max() > 1e-3, "training did not move the parameters"
+                diff = (want - got[key]).abs().max().item()
+                assert diff < 1e-5, f"{name}, process {i}, {key}: max |single - node-reduced| = {diff}"
+        for shard, address in enumerate(cluster.addresses):
+            client = ShardClient(address, index=shard)
+            stats = client.stats()
+            client.close()
+            # one contributor per node: 2 pushes per round, never 4
+            assert stats.version == STEPS and stats.contributions_applied == 2 * STEPS
+            assert stats.last_round_contributors == 2 and list(stats.members) == []
+
+
+def test_two_nodes_of_two_local_ranks_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
+    run_2x2(start_cluster, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_two_nodes_of_two_local_ranks_match_single_process_nccl(start_cluster, tmp_path: Path) -> None:
+    """The same oracle on CUDA tensors with NCCL (each node's two ranks on GPUs 0 and 1)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per local rank: this machine has fewer than 2 GPUs")
+    run_2x2(start_cluster, tmp_path, "cuda")
