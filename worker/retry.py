@@ -80,9 +80,10 @@ def retry(call: Callable[[], T], policy: RetryPolicy, what: str, code_of: Callab
             return call()
         except Exception as exc:
             code = code_of(exc)
-            pause = policy.delay(attempt)
-            if code not in retry_on or time.monotonic() + pause >= deadline:
+            left = deadline - time.monotonic()
+            if code not in retry_on or left <= 0:
                 raise
+            pause = min(policy.delay(attempt), left)  # the last attempt comes at the deadline, not before it
             if attempt == 0 or attempt % 10 == 0:
                 log.warning("%s failed (%s); retrying for up to %.0fs more", what, getattr(code, "name", code),
                             deadline - time.monotonic())
