@@ -43,3 +43,22 @@ def run(i: int, servers: dict[str, str], out: str, device: str) -> None:
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out}/{name}-{i}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def leader_fails(i: int, dead_server: str, out: str) -> None:
+    """Local rank ``i`` of one node whose leader cannot reach the shards: every rank must raise, none wait."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/failing.rendezvous", rank=i, world_size=2)
+    try:
+        model = make_model()
+        opt, _ = make_optimizer("adamw", model)
+        try:
+            NodeOptimizer(opt, model.named_parameters(), servers=dead_server, node_id="node0", connect_timeout=1.0,
+                          retry_seconds=1.0)
+            outcome = "constructed"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        with open(f"{out}/failing-{i}.txt", "w") as f:
+            f.write(outcome)
+    finally:
+        dist.destroy_process_group()

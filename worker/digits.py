@@ -252,17 +252,14 @@ def train_worker(
         while local_rank == 0 and time.monotonic() < deadline and len(dist.stats()[0].members) < config.workers:
             time.sleep(0.2)  # bounded by wait_for_workers; rounds wait for this member meanwhile
         while version < total:
-            epoch, step = divmod(version, per_epoch)
+            # sync: the round's slot of the global batch; async/ssp: this worker's own slice, own step counter
+            epoch, step = divmod(version if config.mode == "sync" else local_steps, per_epoch)
             if epoch not in orders:
                 orders = {epoch: torch.randperm(
                     len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))}
             if config.mode == "sync":
                 mine = orders[epoch][step * global_batch + slot * config.batch_size :][: config.batch_size]
-            else:  # this worker's own slice, walked with its own step counter
-                epoch, step = divmod(local_steps, per_epoch)
-                if epoch not in orders:
-                    orders = {epoch: torch.randperm(
-                        len(y_train), generator=torch.Generator().manual_seed(config.seed * 1000 + epoch))}
+            else:
                 mine = orders[epoch][slot::slots][step * config.batch_size :][: config.batch_size]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, version)

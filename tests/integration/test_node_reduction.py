@@ -55,3 +55,17 @@ def test_two_nodes_of_two_local_ranks_match_single_process_nccl(start_cluster, t
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a GPU per local rank: this machine has fewer than 2 GPUs")
     run_2x2(start_cluster, tmp_path, "cuda")
+
+
+def test_a_leader_that_cannot_join_fails_every_local_rank(tmp_path: Path) -> None:
+    """The leader's failure is broadcast: the other rank raises too instead of waiting in a collective."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    mp.start_processes(node_proc.leader_fails, args=(dead, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    leader = (tmp_path / "failing-0.txt").read_text()
+    other = (tmp_path / "failing-1.txt").read_text()
+    assert leader.startswith(("ConnectionError", "ShardRpcError")) and dead in leader, leader
+    assert other.startswith("RuntimeError: the node leader (local rank 0) failed"), other
