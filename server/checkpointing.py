@@ -130,6 +130,7 @@ class Checkpoints:
             await asyncio.get_running_loop().run_in_executor(
                 self._writer, checkpoint.write, self.directory, snap, store.config.keep_checkpoints)
             self.latest, self._clock = (snap.version, time.time()), time.monotonic()
+            store.metrics.checkpoint_seconds.observe(time.monotonic() - started)
             log.info("shard %d: checkpoint of version %d written in %.2fs", store.config.shard_index, snap.version,
                      time.monotonic() - started)
             return snap.version

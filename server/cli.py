@@ -1,7 +1,9 @@
 """``shardps-server``: run one shard until SIGTERM/SIGINT.
 
 Prints ``shardps-server shard I/N listening on HOST:PORT`` on stdout once it
-serves (``--port 0`` picks a free port). On SIGTERM it reports NOT_SERVING
+serves (``--port 0`` picks a free port), after ``... metrics on HOST:PORT``
+and ``... health on HOST:PORT`` lines when ``--metrics-port`` and
+``--health-port`` are given. On SIGTERM it reports NOT_SERVING
 through the gRPC health service, fails waiting pulls with UNAVAILABLE, lets
 in-flight calls finish for ``--grace-seconds`` and exits 0. A port already
 in use is an error (exit 1).
@@ -18,7 +20,9 @@ import sys
 import torch
 from grpc_health.v1 import health
 
+from shardps.proto.version import shardps_version
 from shardps.server.config import ShardConfig
+from shardps.server.metrics import MetricsInterceptor
 from shardps.server.service import create_server
 from shardps.server.store import ShardStore
 
@@ -28,6 +32,9 @@ log = logging.getLogger("shardps.server")
 def parse_args(argv: list[str] | None = None) -> ShardConfig:
     d = ShardConfig
     p = argparse.ArgumentParser(prog="shardps-server", description="Run one shardps shard.")
+    p.add_argument("--version", action="version", version=f"shardps-server {shardps_version()}")
+    p.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO",
+                   help="log level of the shard's log on stderr (default INFO)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 in pods)")
     p.add_argument("--port", type=int, default=0, help="TCP port, 0 for a free one (default 0); a port in use is an error")
     p.add_argument("--shard-index", type=int, required=True, help="this shard's index in [0, num-shards)")
@@ -63,6 +70,19 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
     p.add_argument("--mode", choices=("sync", "async", "ssp"), default="",
                    help="refuse workers that train in another consistency mode (default: the first worker's)")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf gradients instead of rejecting them")
+    o = p.add_argument_group("operations")
+    o.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
+    o.add_argument("--metrics-host", default="", help="interface of the metrics endpoint (default: --host)")
+    o.add_argument("--health-port", type=int, default=-1,
+                   help="also serve the gRPC health service alone, in plaintext, on this port, for probes that "
+                        "cannot do TLS (0: a free one; default: off; health is always on --port too)")
+    o.add_argument("--tls-cert", default="", help="PEM certificate of this shard: serve TLS (with --tls-key)")
+    o.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    o.add_argument("--tls-ca", default="",
+                   help="PEM CA certificate: require client certificates signed by it (mutual TLS)")
+    o.add_argument("--auth-token-file", default="",
+                   help="file holding a bearer token every shardps call must carry (health is not checked)")
     a = p.parse_args(argv)
     budget = {} if a.memory_budget_bytes is None else {"memory_budget_bytes": a.memory_budget_bytes}
     try:
@@ -72,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
             checkpoint_dir=a.checkpoint_dir, checkpoint_every_rounds=a.checkpoint_every_rounds,
             checkpoint_every_seconds=a.checkpoint_every_seconds, keep_checkpoints=a.keep_checkpoints,
-            restore_version=a.restore_version, mode=a.mode,
+            restore_version=a.restore_version, mode=a.mode, metrics_port=a.metrics_port,
+            metrics_host=a.metrics_host, health_port=a.health_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
+            tls_ca=a.tls_ca, auth_token_file=a.auth_token_file, log_level=a.log_level,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
             grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
         )
@@ -90,17 +112,23 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
     store = ShardStore(config)
     health_servicer = health.aio.HealthServicer()
     await store.checkpoints.restore()  # the newest intact checkpoint of --checkpoint-dir, if any
-    server, port = await create_server(config, store, health_servicer)
-    await server.start()
+    servers = await create_server(config, store, health_servicer,
+                                  interceptors=(MetricsInterceptor(store.metrics),))
+    name = f"shardps-server shard {config.shard_index}/{config.num_shards}"
+    if config.metrics_port >= 0:
+        host = config.metrics_host or config.host
+        print(f"{name} metrics on {host}:{store.metrics.serve(host, config.metrics_port)}", flush=True)
+    if servers.health_port >= 0:
+        print(f"{name} health on {config.host}:{servers.health_port}", flush=True)
+    await servers.start()
     store.warm_up()
-    print(f"shardps-server shard {config.shard_index}/{config.num_shards} listening on {config.host}:{port}",
-          flush=True)
+    print(f"{name} listening on {config.host}:{servers.port}", flush=True)
     await stop.wait()  # until SIGTERM/SIGINT
     log.info("shard %d: stopping (version %d)", config.shard_index, store.version)
     await health_servicer.enter_graceful_shutdown()
     store.close()
     await store.checkpoints.final()  # every round applied so far
-    await server.stop(config.grace_seconds)
+    await servers.stop(config.grace_seconds)
     log.info("shard %d: stopped", config.shard_index)
 
 
@@ -114,7 +142,7 @@ async def _main(config: ShardConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_main(config))
     except RuntimeError as exc:

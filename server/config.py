@@ -71,6 +71,15 @@ class ShardConfig:
             the open round stops waiting for it.
         mode: when set (``sync``, ``async`` or ``ssp``), workers that train in another
             mode are refused; empty: the job's first joiner fixes it.
+        metrics_port: port of the Prometheus HTTP endpoint (0: a free one); -1: no endpoint.
+        metrics_host: interface of the metrics endpoint; empty: ``host``.
+        health_port: port of a plaintext gRPC server holding only the health service,
+            for Kubernetes probes when the main port is TLS (0: a free one); -1: none.
+        tls_cert, tls_key: PEM files of this shard's certificate and key; both set: the port serves TLS.
+        tls_ca: PEM file of the CA that signs client certificates; set: mutual TLS (clients must
+            present a certificate it signed).
+        auth_token_file: file holding the bearer token every ``shardps.v1.Shard`` call must carry.
+        log_level: the process's log level (DEBUG, INFO, WARNING or ERROR).
     """
 
     shard_index: int
@@ -98,6 +107,14 @@ class ShardConfig:
     keep_checkpoints: int = 3
     restore_version: int = 0
     mode: str = ""
+    metrics_port: int = -1
+    metrics_host: str = ""
+    health_port: int = -1
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    auth_token_file: str = ""
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -106,6 +123,17 @@ class ShardConfig:
             raise ValueError(f"shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("metrics_port", "health_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535] (or -1: off), got {getattr(self, name)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key: the shard must serve TLS")
+        for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such readable file")
         if self.min_workers < 1:
             raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
         if self.max_message_bytes < 2 * FRAME_OVERHEAD_BYTES:
@@ -116,6 +144,8 @@ class ShardConfig:
                 self.keep_checkpoints < 1:
             raise ValueError("checkpoint_every_rounds, checkpoint_every_seconds and restore_version must be >= 0, "
                              "keep_checkpoints >= 1")
+        if self.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.mode not in ("", "sync", "async", "ssp"):
             raise ValueError(f"mode must be sync, async or ssp, got {self.mode!r}")
         if not 0.5 <= self.lease_seconds <= 3600:

@@ -74,6 +74,7 @@ class Membership:
     Attributes:
         epoch: incremented on every change (a member admitted, removed or expired).
         expiries: members dropped because their lease ran out.
+        joins, leaves: members admitted (new ones) and removed (Leave) since the process started.
     """
 
     def __init__(self, max_workers: int, lease_seconds: float = 10.0,
@@ -81,7 +82,7 @@ class Membership:
         self.max_workers, self.lease_seconds, self._clock = max_workers, lease_seconds, clock
         self._members: dict[str, Member] = {}
         self.epoch = 0
-        self.expiries = 0
+        self.expiries = self.joins = self.leaves = 0
 
     def __len__(self) -> int:
         return len(self._members)
@@ -118,6 +119,7 @@ class Membership:
         member = Member(worker_id, session, expires=self._clock() + self.lease_seconds)
         self._members[worker_id] = member
         self.epoch += 1
+        self.joins += 1
         return member, True
 
     def get(self, worker_id: str, session: str) -> Member:
@@ -155,6 +157,7 @@ class Membership:
             return None
         self.get(worker_id, session)
         self.epoch += 1
+        self.leaves += 1
         return self._members.pop(worker_id)
 
     def expire(self) -> list[Member]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ from shardps.server.chunks import ChunkTable
 from shardps.server.config import ShardConfig
 from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable, stop_call
 from shardps.server.membership import Member, Membership
+from shardps.server.metrics import ShardMetrics
 from shardps.server.modes import Mode, StalenessHistogram
 from shardps.server.optimizer import RoundRefused, ShardOptimizer, average_
 
@@ -126,11 +128,13 @@ class Rounds:
         members: the shard's membership (shared with the store).
         notify: wakes every waiting call (the store's notifier).
         run: runs a function on the compute thread (``await run(fn, *args)``).
+        metrics: where applied rounds, their update seconds and staleness are recorded.
     """
 
     def __init__(self, config: ShardConfig, members: Membership, notify: Callable[[], None],
-                 run: Callable[..., Awaitable]) -> None:
+                 run: Callable[..., Awaitable], metrics: ShardMetrics) -> None:
         self.config, self._members, self._notify, self._run = config, members, notify, run
+        self.metrics = metrics
         self.version = 0
         self.applying = False
         self.closed: Closed | None = None
@@ -373,7 +377,9 @@ class Rounds:
                     self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
                 self.snapshot_version = self.version + 1  # read by snapshots on this (compute) thread
 
+            started = time.perf_counter()
             await self._run(step)
+            update_seconds = time.perf_counter() - started
         except RoundRefused as exc:
             where = f" at {self.table.describe(exc.key)}" if exc.key >= 0 else ""
             self._refuse(closed, InvalidArgument(
@@ -395,6 +401,7 @@ class Rounds:
             self.skipped += skip
             self.state_bytes = self.optimizer.state_bytes()
             self.staleness.record(staleness, len(closed.members))
+            self.metrics.round_applied(self.mode.name, update_seconds, staleness, len(closed.members))
             for m in closed.members:
                 m.clock += 1
                 m.applied_round = closed.number

@@ -20,15 +20,18 @@ import asyncio
 import functools
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import encode_control
+from shardps.proto.security import read_token_file, server_credentials
 from shardps.proto.transport import channel_options
 from shardps.server import checks
+from shardps.server.auth import BearerTokenInterceptor
 from shardps.server.config import ShardConfig
 from shardps.server.errors import InvalidArgument, ShardError, stopped_with
 from shardps.server.store import ShardStore
@@ -248,34 +251,135 @@ def _addresses(host: str) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
+          flag: str) -> int:
+    """Bind ``server`` on every address ``host`` resolves to, all on one port (0: a free one); the port.
+
+    Raises:
+        RuntimeError: an address could not be bound (the message names ``flag``, the port's flag).
+    """
+    for ip in _addresses(host):  # every address the host name resolves to, or none at all
+        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        try:
+            bound = server.add_insecure_port(address) if credentials is None else \
+                server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            raise RuntimeError(f"could not bind {address} ({flag}; is another process listening there?): "
+                               f"{exc}") from None
+        if bound == 0 or (port and bound != port):
+            raise RuntimeError(f"could not bind {address} ({flag}; is another process listening there?)")
+        port = bound
+    return port
+
+
+@dataclass
+class ShardServers:
+    """The gRPC servers of one shard, bound but not started.
+
+    Attributes:
+        server: the main server (``shardps.v1.Shard`` and health; TLS and token checks as configured).
+        port: its bound port.
+        health_server: the plaintext server holding only ``grpc.health.v1.Health`` (``--health-port``),
+            or None.
+        health_port: its bound port, -1 without one.
+    """
+
+    server: grpc.aio.Server
+    port: int
+    health_server: grpc.aio.Server | None = None
+    health_port: int = -1
+
+    async def start(self) -> None:
+        """Start serving on every port."""
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop every server, letting in-flight calls finish for ``grace`` seconds (None: cancel them)."""
+        servers = [self.server] + ([self.health_server] if self.health_server is not None else [])
+        await asyncio.gather(*(s.stop(grace) for s in servers))
+
+
+async def _check_credentials(credentials: grpc.ServerCredentials) -> None:
+    """Make gRPC load ``credentials`` now, on a scratch server on a free loopback port.
+
+    gRPC reads PEM contents only when a port is bound. It would report a bad certificate like a port in use.
+
+    Raises:
+        RuntimeError: gRPC cannot use the certificate, key or CA.
+    """
+    probe = grpc.aio.server()
+    try:
+        probe.add_secure_port("127.0.0.1:0", credentials)
+    except RuntimeError:
+        raise RuntimeError("--tls-cert/--tls-key/--tls-ca: gRPC cannot use them: a file is not a valid PEM "
+                           "certificate or key, or --tls-key is not the key of --tls-cert") from None
+    finally:
+        await probe.stop(None)
+
+
+def _security(config: ShardConfig) -> tuple[grpc.ServerCredentials | None, list[grpc.aio.ServerInterceptor]]:
+    """The main port's TLS credentials (None: plaintext) and the token check (or none) that ``config`` asks for.
+
+    Raises:
+        RuntimeError: a file is missing, unreadable or not PEM, or the TLS flags do not fit together
+            (the message names the flag).
+    """
+    try:
+        if config.tls_ca and not config.tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key: the shard must serve TLS")
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca) \
+            if config.tls_cert or config.tls_key else None
+        auth = [BearerTokenInterceptor(read_token_file(config.auth_token_file))] if config.auth_token_file else []
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
+    return credentials, auth
+
+
 async def create_server(
-    config: ShardConfig, store: ShardStore, health_servicer: health.aio.HealthServicer
-) -> tuple[grpc.aio.Server, int]:
-    """Build (not start) the gRPC server for one shard and bind it; call from the event loop.
+    config: ShardConfig, store: ShardStore, health_servicer: health.aio.HealthServicer, *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> ShardServers:
+    """Build (not start) the gRPC servers of one shard and bind them; call from the event loop.
+
+    The main server holds ``shardps.v1.Shard`` and ``grpc.health.v1.Health`` on
+    ``config.port``: TLS with ``config.tls_cert``/``config.tls_key``, mutual TLS
+    when ``config.tls_ca`` is set too, and a bearer-token check of every Shard
+    call with ``config.auth_token_file`` (``shardps.server.auth``; health calls
+    are not checked). ``interceptors`` run before the token check, so they
+    see refused calls too. With ``config.health_port >= 0`` a second,
+    plaintext server holds only ``health_servicer`` (the same instance: one
+    status for both) on that port, for probes that cannot do TLS.
 
     ``SO_REUSEPORT`` is off and every address the host name resolves to is
     bound on the same port, so a port another process listens on is an
     error here instead of two shards silently sharing it.
 
     Returns:
-        ``(server, port)``; ``port`` is the bound port (useful with ``config.port == 0``).
+        The servers and their bound ports (useful with port 0); start them with ``await servers.start()``.
 
     Raises:
-        RuntimeError: the address could not be bound (in use, or not an address of this host).
+        RuntimeError: an address could not be bound (in use, or not an address of this host); a TLS or
+            token file is missing, unreadable or malformed (the message names the flag).
     """
-    server = grpc.aio.server(options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
+    credentials, auth = _security(config)
+    if credentials is not None:
+        await _check_credentials(credentials)
+    options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=[*interceptors, *auth] or None)
     server.add_generic_rpc_handlers((generic_handler(ShardServicer(store)),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = config.port
-    for ip in _addresses(config.host):  # every address the host name resolves to, or none at all
-        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-        try:
-            bound = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise RuntimeError(f"could not bind {address} (is another process listening there?): {exc}") from None
-        if bound == 0 or (port and bound != port):
-            raise RuntimeError(f"could not bind {address} (is another process listening there?)")
-        port = bound
+    servers = ShardServers(server, _bind(server, config.host, config.port, credentials, "--port"))
+    log.info("shard %d: %s, %s", config.shard_index,
+             "plaintext" if credentials is None else "mutual TLS" if config.tls_ca else "TLS",
+             "bearer token required" if auth else "no token required")
+    if config.health_port >= 0:
+        servers.health_server = grpc.aio.server(options=options)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, servers.health_server)
+        servers.health_port = _bind(servers.health_server, config.host, config.health_port, None, "--health-port")
+        log.info("shard %d: plaintext health service on %s:%d", config.shard_index, config.host,
+                 servers.health_port)
     for name in ("", SERVICE.full_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return servers

@@ -34,6 +34,7 @@ from shardps.server.errors import (
 from shardps.server.admission import Admission
 from shardps.server.job import Job
 from shardps.server.membership import Member, Membership
+from shardps.server.metrics import ShardMetrics
 from shardps.server.optimizer import ShardOptimizer, StateError
 from shardps.server.rounds import Rounds
 from shardps.server.state import decode_state, encode_state
@@ -56,15 +57,18 @@ class ShardStore:
     Args:
         config: the shard's settings and limits.
         compute: where slow work runs (default: one thread of its own).
+        metrics: where the shard's Prometheus metrics go (default: a fresh registry, not served).
     """
 
-    def __init__(self, config: ShardConfig, compute: Executor | None = None) -> None:
+    def __init__(self, config: ShardConfig, compute: Executor | None = None,
+                 metrics: ShardMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else ShardMetrics(config.shard_index)
         self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
         self._notifier = Notifier()
         self._closing = False
         self._members = Membership(config.max_workers, config.lease_seconds)
-        self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run)
+        self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run, self.metrics)
         self._admission = Admission(config, self._members, self.rounds, self._notifier.notify_all, self._run,
                                     self._check_open)
         self._waiting = 0
@@ -75,6 +79,15 @@ class ShardStore:
         self.checkpoints = Checkpoints(self)
         self._last_wait_log = 0.0
         self.incarnation = uuid.uuid4().hex  # tells workers this process apart from the one before a restart
+        self.metrics.watch(self._metric_values)
+
+    def _metric_values(self) -> dict[str, float]:
+        """The numbers :class:`ShardMetrics` reads when scraped (from the metrics thread: plain reads only)."""
+        members = self._members
+        return {"received_bytes": self._push_bytes, "sent_bytes": self._pull_bytes, "joins": members.joins,
+                "leaves": members.leaves, "lease_expiries": members.expiries, "version": self.rounds.version,
+                "live_workers": len(members), "min_workers": self.config.min_workers,
+                "last_checkpoint_timestamp_seconds": self.checkpoints.latest[1]}
 
     @property
     def version(self) -> int:

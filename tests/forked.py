@@ -140,7 +140,7 @@ class ForkedCluster(LocalCluster):
                 line = proc.lines.recv()
             except EOFError:
                 break
-            if m := self.LISTENING.search(line):
-                return m.group(1)
+            if address := self.read_line(shard, line):
+                return address
         raise RuntimeError(f"shard {shard} did not report its address (exit code {proc.poll()}):\n"
                            f"{self.log_tail(shard)}")

@@ -1,6 +1,18 @@
-"""shardps worker side: ``DistributedOptimizer``, ``LocalCluster`` and the ``shardps`` CLI."""
+"""shardps worker side: ``DistributedOptimizer``, ``LocalCluster`` and the ``shardps`` CLI.
 
-from shardps.worker.cluster import LocalCluster
-from shardps.worker.optimizer import DistributedOptimizer
+The two names are imported on first use (PEP 562), so that operator commands
+(``shardps stats``, ``shardps health``) start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["DistributedOptimizer", "LocalCluster"]
+_WHERE = {"DistributedOptimizer": "shardps.worker.optimizer", "LocalCluster": "shardps.worker.cluster"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'shardps.worker' has no attribute {name!r}")

@@ -5,9 +5,18 @@
     shardps train digits --servers host:port,... --workers N --worker-index I   # one worker: I of N
     torchrun --nproc-per-node 2 --max-restarts 1 -m shardps.worker.cli \
         train digits --servers host:port,... --worker-index env             # rank and size from the launcher
-    shardps stats --servers host:port,...
+    shardps stats --servers host:port,...                                   # one JSON array, a shard per object
+    shardps health --servers host:port,... [--timeout 5] [--service NAME]   # exit 0 only if all SERVING
+    shardps reset --servers host:port,... [--job-id ID]
     shardps checkpoint --servers host:port,...
     shardps export (--servers host:port,... | --checkpoint-dir DIR [--version V]) --out model.safetensors
+    shardps --version
+
+Every command that calls shards takes ``--tls-ca``, ``--tls-cert``,
+``--tls-key`` and ``--auth-token-file`` (``operator_cli.add_security_flags``);
+``train digits`` also ``--metrics-port``. The operator commands live in
+``shardps.worker.operator_cli``, which also holds the output rule: a reader
+that closes stdout early (``| head``) is not an error.
 
 This module is the edge: it alone reads the environment (a launcher's
 ``RANK``/``WORLD_SIZE``/``JOB_COMPLETION_INDEX``); the library takes
@@ -25,6 +34,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from shardps.proto.version import shardps_version
 from shardps.worker import operator_cli
 
 
@@ -106,8 +116,15 @@ def _node_group(rank: int, world: int, local_ranks: int):
     return rank // local_ranks, world // local_ranks, rank % local_ranks, group
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port in [0, 65535] (0: a free one)")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="shardps: a sharded parameter server for PyTorch.")
+    p.add_argument("--version", action="version", version=f"shardps {shardps_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a training job").add_subparsers(dest="job", required=True)
     d = train.add_parser("digits", help="MLP on scikit-learn's handwritten digits, sync (BSP)")
@@ -144,26 +161,24 @@ def _parser() -> argparse.ArgumentParser:
                         "one contributor (default 1); with --worker-index env, torchrun's --nproc-per-node")
     d.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     d.add_argument("--report", type=Path, help="write a JSON report to this path")
-    s = sub.add_parser("stats", help="print each shard's Stats as JSON")
-    s.add_argument("--servers", type=_servers, required=True, help="shards host:port,... in shard order")
-    r = sub.add_parser("reset", help="drop the job held by idle shards (parameters and optimizer state)")
-    r.add_argument("--servers", type=_servers, required=True, help="shards host:port,... in shard order")
-    r.add_argument("--job-id", default="", help="reset only shards that hold this job")
+    d.add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                   help="serve Prometheus metrics over HTTP: worker process K (rank x local ranks + local rank) "
+                        "on port P + K, or each on a free port when P is 0; every process prints "
+                        "'worker K metrics on HOST:PORT' (default: no metrics endpoint)")
+    operator_cli.add_security_flags(d)
+    d.set_defaults(run=_train_digits)
     operator_cli.add_commands(sub, _servers)
     return p
 
 
-def _say(line: str) -> None:
-    """Print ``line`` with one write: the processes of a launcher often share one stdout, lines must not mix."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+_say = operator_cli.say
 
 
 def _write_report(path: Path | None, report: dict) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {path}")
+        _say(f"report written to {path}")
 
 
 def _train_digits(args: argparse.Namespace) -> int:
@@ -176,9 +191,10 @@ def _train_digits(args: argparse.Namespace) -> int:
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, chunk_bytes=args.chunk_bytes,
         push_dtype=args.push_dtype, pull_dtype=args.pull_dtype, progress=not args.no_progress,
         job_name=args.job_name, mode=args.mode, staleness=args.staleness, local_ranks=args.local_ranks,
+        security=operator_cli.security_from_args(args), metrics_port=args.metrics_port,
     )
     report = run(config)
-    print(
+    _say(
         f"digits: test accuracy {report['test_accuracy']:.4f}, final loss {report['final_loss']:.4f}, "
         f"{report['steps']} steps in {report['wall_seconds']:.1f}s "
         f"({report['workers']} workers x {report['local_ranks']} local ranks, {report['shards']} shards, "
@@ -224,7 +240,7 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
         workers=workers, servers=args.servers, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
         seed=args.seed, chunk_bytes=args.chunk_bytes, push_dtype=args.push_dtype, pull_dtype=args.pull_dtype,
         progress=False, job_name=args.job_name, mode=args.mode, staleness=args.staleness,
-        local_ranks=args.local_ranks,
+        local_ranks=args.local_ranks, security=operator_cli.security_from_args(args), metrics_port=args.metrics_port,
     )
     if not 0 <= index < workers:
         raise ValueError(f"worker index {index} is outside [0, {workers})")
@@ -253,52 +269,39 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
          f"{result['final_loss']:.4f}, shards at version {result['version']} of {result['steps']}, "
          f"{result['local_steps']} steps in this process in {wall:.1f}s"
          + (f" (resumed at version {result['joined_version']})" if result["resumed"] else ""))
+    settings = asdict(config)
+    settings.pop("security", None)  # certificates, key and token: never into a report
     _write_report(args.report, {
         **result, "wall_seconds": wall, "shards": config.shards, "mode": config.mode, "servers": ",".join(args.servers),
-        "restart": restarts, "pid": pid, "config": asdict(config),
+        "restart": restarts, "pid": pid, "config": settings,
     })
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    from shardps.worker.client import ShardClient
-
-    for i, address in enumerate(args.servers):
-        client = ShardClient(address, index=i, connect_timeout=10.0, rpc_timeout=10.0)
-        try:
-            print(json.dumps(MessageToDict(client.stats(), always_print_fields_with_no_presence=True)))
-        finally:
-            client.close()
-    return 0
-
-
-def _reset(args: argparse.Namespace) -> int:
-    """Reset every shard; a line per shard; exit 1 if any refused (a busy shard is left as it was)."""
-    def call(client) -> str:
-        reply = client.reset(args.job_id)
-        return f"job {reply.job_id} dropped at version {reply.version}" if reply.job_id else "held no job"
-
-    return operator_cli.each_shard(args.servers, call, "not reset")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    ``ValueError``, ``RuntimeError`` and ``ConnectionError`` become one
+    ``shardps: error: ...`` line on stderr and status 1. A closed stdout is
+    never a traceback: output goes through :func:`operator_cli.say`, and a
+    ``BrokenPipeError`` from anywhere else points stdout at /dev/null and
+    exits 1 (the Python documentation's recipe for SIGPIPE).
+    """
     try:
-        if args.command == "train":
-            return _train_digits(args)
-        if args.command == "reset":
-            return _reset(args)
-        if args.command == "checkpoint":
-            return operator_cli.checkpoint(args)
-        if args.command == "export":
-            return operator_cli.export(args)
-        return _stats(args)
-    except (ValueError, RuntimeError, ConnectionError) as exc:
-        print(f"shardps: error: {exc}", file=sys.stderr)
+        args = _parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            return args.run(args)
+        except BrokenPipeError:  # a ConnectionError too: must come first
+            raise
+        except (ValueError, RuntimeError, ConnectionError) as exc:
+            print(f"shardps: error: {exc}", file=sys.stderr)
+            return 1
+    except BrokenPipeError:
+        operator_cli.stdout_to_devnull()
         return 1
+    finally:  # also for argparse's --help/--version exits, whose output is still buffered
+        operator_cli.flush_stdout()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import grpc
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
+from shardps.proto.security import ChannelSecurity
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shardps.worker.retry import RetryPolicy, retry
 
@@ -20,6 +21,17 @@ class ShardRpcError(RuntimeError):
         self.shard, self.address, self.code, self.details = shard, address, code, details
 
 
+def _tls_hint(security: ChannelSecurity) -> str:
+    """What to check when a connection does not come up: a failed TLS handshake looks like a dead shard."""
+    if not security.tls:
+        return "If the shard serves TLS (--tls-cert), pass --tls-ca with the CA that signed its certificate."
+    client_cert = "the CA of the shard's --tls-ca must have signed the client certificate (--tls-cert)" \
+        if security.cert is not None else \
+        "a shard started with --tls-ca also needs a client certificate (--tls-cert/--tls-key here)"
+    return ("The TLS settings may be wrong: the shard must serve TLS (--tls-cert), --tls-ca here must hold the CA "
+            f"that signed the shard's certificate, that certificate must name this host, and {client_cert}.")
+
+
 class ShardClient:
     """One gRPC channel to shard ``index`` at ``address`` (``host:port``).
 
@@ -28,8 +40,13 @@ class ShardClient:
     Export) are retried after UNAVAILABLE or DEADLINE_EXCEEDED per ``retry``
     (``shardps.worker.retry``), then raise :class:`ShardRpcError`.
 
+    ``security`` (``shardps.proto.security``) turns on TLS, mutual TLS and a
+    bearer token on the channel; None: plaintext, no token. A shard that
+    refuses the token answers every call with UNAUTHENTICATED (not retried).
+
     Raises:
-        ConnectionError: the shard did not answer within ``connect_timeout`` seconds.
+        ConnectionError: the shard did not answer within ``connect_timeout`` seconds (a failed TLS
+            handshake looks the same: the message then points at the TLS settings).
     """
 
     def __init__(
@@ -41,16 +58,18 @@ class ShardClient:
         connect_timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retry: RetryPolicy = RetryPolicy(),
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address, self.index, self.rpc_timeout, self.retry = address, index, rpc_timeout, retry
-        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.security = security or ChannelSecurity()
+        self.channel = self.security.channel(address, channel_options(max_message_bytes))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
         except grpc.FutureTimeoutError:
             self.channel.close()
             raise ConnectionError(
                 f"shard {index} at {address} did not answer within {connect_timeout:.0f}s; "
-                "is shardps-server running there?"
+                f"is shardps-server running there? {_tls_hint(self.security)}"
             ) from None
         self.stub = pb_grpc.ShardStub(self.channel)
         path = f"/{_SERVICE}/"
@@ -136,4 +155,5 @@ class ShardClient:
         return self._unary("set_state", self._set_state, frames)
 
     def close(self) -> None:
+        """Close the channel (calls still running on it fail with CANCELLED)."""
         self.channel.close()

@@ -33,6 +33,8 @@ class LocalCluster:
 
     Attributes:
         addresses: ``host:port`` of each shard, in shard order.
+        endpoints: per shard, the other endpoints it reported (``{"metrics": "host:port",
+            "health": "host:port"}`` with ``--metrics-port`` / ``--health-port`` in ``extra_args``).
 
     Raises:
         RuntimeError: a shard exited or did not report its address in time
@@ -41,6 +43,8 @@ class LocalCluster:
 
     #: The line a shard prints on stdout once it serves.
     LISTENING = re.compile(r"listening on (\S+:\d+)")
+    #: Lines a shard prints before it serves: ``<name> on host:port``.
+    ENDPOINT = re.compile(r"shard \d+/\d+ (metrics|health) on (\S+:\d+)")
 
     def __init__(
         self,
@@ -56,8 +60,14 @@ class LocalCluster:
         self.num_shards, self.min_workers, self.host = num_shards, min_workers, host
         self.extra_args, self.start_timeout = tuple(extra_args), start_timeout
         self.addresses: list[str] = []
+        self.endpoints: list[dict[str, str]] = []
         self.processes: list[subprocess.Popen] = []
         self._log_dir: Path | None = None
+
+    @property
+    def metrics_addresses(self) -> list[str]:
+        """``host:port`` of each shard's Prometheus endpoint (shards started with ``--metrics-port``)."""
+        return [e["metrics"] for e in self.endpoints]
 
     @property
     def servers(self) -> str:
@@ -82,7 +92,8 @@ class LocalCluster:
     def _spawn(self, shard: int, port: int = 0) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "shardps.server", *self.shard_args(shard, port)]
         with open(self.log_path(shard), "ab") as err:
-            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+            # unbuffered: select() must see every line the shard printed (a buffered readline could swallow two)
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, bufsize=0)
 
     def start(self) -> "LocalCluster":
         self._log_dir = Path(tempfile.mkdtemp(prefix="shardps-cluster-"))
@@ -90,6 +101,7 @@ class LocalCluster:
             for i in range(self.num_shards):
                 self.processes.append(self._spawn(i))
             deadline = time.monotonic() + self.start_timeout
+            self.endpoints = [{} for _ in range(self.num_shards)]
             self.addresses = [self._wait_address(i, deadline) for i in range(self.num_shards)]
         except BaseException:
             self.stop()
@@ -108,10 +120,18 @@ class LocalCluster:
                 raise RuntimeError(
                     f"shard {shard} exited with code {proc.wait()} before serving:\n{self.log_tail(shard)}"
                 )
-            if m := self.LISTENING.search(line):
-                return m.group(1)
+            if address := self.read_line(shard, line):
+                return address
         raise RuntimeError(f"shard {shard} did not report its address in {self.start_timeout:.0f}s:\n"
                            f"{self.log_tail(shard)}")
+
+    def read_line(self, shard: int, line: str) -> str | None:
+        """Take in a line shard ``shard`` printed: records its endpoints; returns its address once it serves."""
+        if m := self.ENDPOINT.search(line):
+            self.endpoints[shard][m.group(1)] = m.group(2)
+        elif m := self.LISTENING.search(line):
+            return m.group(1)
+        return None
 
     def restart(self, shard: int, *, same_port: bool = False) -> str:
         """Kill shard ``shard`` (SIGKILL: no shutdown; what it did not checkpoint is lost) and start it again.
@@ -133,6 +153,7 @@ class LocalCluster:
             old.stdout.close()
         port = int(self.addresses[shard].rpartition(":")[2]) if same_port else 0
         self.processes[shard] = self._spawn(shard, port)
+        self.endpoints[shard] = {}
         self.addresses[shard] = self._wait_address(shard, time.monotonic() + self.start_timeout)
         return self.addresses[shard]
 

@@ -26,12 +26,14 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from shardps.proto.security import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,13 @@ class DigitsConfig:
         local_ranks: processes per worker ("node"): they reduce their gradients with
             torch.distributed (Gloo) first and push as one contributor (``shardps.worker.node``).
         staleness: ssp's bound (required with ``mode="ssp"``).
+        metrics_port: serve each worker process's Prometheus metrics: process ``k`` (of
+            ``workers x local_ranks``) on ``metrics_port + k``, or on a free port when 0;
+            each prints ``worker K metrics on HOST:PORT``. Embedded shards then serve
+            theirs on free ports too. None: off.
+        security: TLS / mutual TLS / bearer token of every channel to the shards
+            (``shardps.proto.security.ChannelSecurity``; running ``servers`` only).
+            Never written to the report.
     """
 
     workers: int = 2
@@ -75,6 +84,8 @@ class DigitsConfig:
     mode: str = "sync"
     staleness: int | None = None
     local_ranks: int = 1
+    metrics_port: int | None = None
+    security: ChannelSecurity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         from shardps.worker.optimizer import mode_spec
@@ -87,6 +98,10 @@ class DigitsConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.security is not None and not self.servers:
+            raise ValueError("TLS and token settings apply to running shards: give servers (--servers)")
         if self.servers and len(self.servers) != self.shards:
             # The number of shards is the number of addresses given.
             object.__setattr__(self, "shards", len(self.servers))
@@ -239,13 +254,19 @@ def train_worker(
     worker_id = worker_id or rank_worker_id(config.job_name, index)
     options = dict(servers=list(config.servers), chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
                    pull_dtype=config.pull_dtype, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
-                   mode=config.mode, staleness=config.staleness)
+                   mode=config.mode, staleness=config.staleness, security=config.security)
+    if config.metrics_port is not None:
+        process = slot  # index * local_ranks + local_rank
+        options["metrics_port"] = config.metrics_port + process if config.metrics_port else 0
     if config.local_ranks > 1:
         wrapper = NodeOptimizer(optimizer, model.named_parameters(), node_id=worker_id, group=group, **options)
     else:
         wrapper = DistributedOptimizer(optimizer, model.named_parameters(), worker_id=worker_id, **options)
     with wrapper as dist:
         version = joined = dist.version
+        metrics = dist.metrics
+        if metrics is not None and dist.metrics_port is not None:
+            print(f"worker {slot} metrics on 0.0.0.0:{dist.metrics_port}", flush=True)
         if on_join is not None:
             on_join(joined, dist.resumed, dist.members)
         deadline = time.monotonic() + wait_for_workers
@@ -267,6 +288,8 @@ def train_worker(
             loss = loss_fn(model(x_train[mine]), y_train[mine])
             loss.backward()
             dist.step()
+            if metrics is not None:
+                metrics.count_samples(len(mine) * config.local_ranks)  # the node's samples
             version = dist.version
             local_steps += 1
             if on_step is not None:
@@ -331,8 +354,11 @@ def run(config: DigitsConfig) -> dict:
         if config.servers:
             servers, embedded = list(config.servers), None
         else:
-            embedded = LocalCluster(config.shards, min_workers=config.workers).start()
+            metrics = ("--metrics-port", "0") if config.metrics_port is not None else ()
+            embedded = LocalCluster(config.shards, min_workers=config.workers, extra_args=metrics).start()
             servers = embedded.addresses
+            for i, address in enumerate(embedded.metrics_addresses):
+                print(f"shard {i} metrics on {address}", flush=True)
         try:
             mp.start_processes(
                 _worker, args=(replace(config, servers=tuple(servers)), result_path), nprocs=config.workers * config.local_ranks,
@@ -354,5 +380,5 @@ def run(config: DigitsConfig) -> dict:
         "shards": config.shards,
         "mode": config.mode,
         "servers": "embedded" if embedded is not None else ",".join(servers),
-        "config": asdict(config),
+        "config": {k: v for k, v in asdict(config).items() if k != "security"},
     }

@@ -32,6 +32,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.proto.checkpoint import newest
 from shardps.proto.codec import TORCH_DTYPES
 from shardps.proto.plan import PartitionPlan
+from shardps.proto.security import ChannelSecurity
 from shardps.worker.client import ShardClient
 from shardps.worker.rounds import ParameterSink
 
@@ -85,7 +86,7 @@ def _finish(params: dict, buffers: dict, model: torch.nn.Module | None) -> dict[
 
 def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = None, wait_seconds: float = 30.0,
                  allow_mixed_versions: bool = False, rpc_timeout: float = 60.0,
-                 connect_timeout: float = 10.0) -> Export:
+                 connect_timeout: float = 10.0, security: ChannelSecurity | None = None) -> Export:
     """Read every live shard's partition (no membership needed) and assemble the model state.
 
     Args:
@@ -93,6 +94,8 @@ def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = No
         model: fills in entries the shards do not hold (parameters outside the optimizer).
         wait_seconds: how long to wait for the shards to agree on a version.
         allow_mixed_versions: return shards at different versions instead of refusing.
+        rpc_timeout, connect_timeout: seconds per call, and to wait for each shard to answer.
+        security: TLS / mutual TLS / bearer token of the channels (default: plaintext, no token).
 
     Raises:
         RuntimeError: the shards serve different jobs or plans, hold no job, or
@@ -102,7 +105,7 @@ def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = No
     """
     if isinstance(servers, str):
         servers = [s for s in servers.split(",") if s]
-    clients = [ShardClient(a, index=i, rpc_timeout=rpc_timeout, connect_timeout=connect_timeout)
+    clients = [ShardClient(a, index=i, rpc_timeout=rpc_timeout, connect_timeout=connect_timeout, security=security)
                for i, a in enumerate(servers)]
     try:
         stats = [c.stats(plan=True) for c in clients]

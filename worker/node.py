@@ -187,6 +187,16 @@ class NodeOptimizer:
         return self._resumed
 
     @property
+    def metrics(self):
+        """The leader's ``WorkerMetrics`` (``shardps.worker.metrics``); None on the other local ranks."""
+        return self.inner.metrics if self.inner is not None else None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the leader's metrics endpoint; None on the other ranks or when not served."""
+        return self.inner.metrics_port if self.inner is not None else None
+
+    @property
     def members(self) -> list[str]:
         """The job's member ids as the leader last saw them (empty on the other ranks)."""
         return self.inner.members if self.inner is not None else []

@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.codec import FLOAT_DTYPES, wire_dtype
 from shardps.proto.optim import optimizer_spec
 from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
+from shardps.proto.security import ChannelSecurity
 from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker import state as optimizer_state
 from shardps.worker.client import ShardClient, ShardRpcError
@@ -41,6 +43,7 @@ from shardps.worker.recovery import Recovery
 from shardps.worker.retry import RetryPolicy
 from shardps.worker.overlap import ForwardWaits
 from shardps.worker.lease import Leases
+from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.rounds import GradientEditedError, ParameterSink, Round
 from shardps.worker.steps import RoundSteps
 from shardps.worker.tensors import HyperparamChanges, buffer_infos, static_digest
@@ -141,6 +144,15 @@ class DistributedOptimizer(RoundSteps):
             retried after UNAVAILABLE or DEADLINE_EXCEEDED, with capped
             exponential backoff and jitter, before ``ShardRpcError``; also how
             long a restarting shard is waited for (``shardps.worker.recovery``).
+        max_message_bytes: gRPC message limit in bytes (must match the shards').
+        security: TLS, mutual TLS and the bearer token of every channel
+            (``shardps.proto.security.ChannelSecurity``; default: plaintext, no token).
+        metrics_port: serve this worker's Prometheus metrics (``shardps.worker.metrics``)
+            over HTTP on ``metrics_host:metrics_port`` (0: a free one, then read
+            ``metrics_port`` after construction); None (default): not served.
+            ``self.metrics`` records them either way.
+        metrics_registry: the ``prometheus_client.CollectorRegistry`` the metrics go
+            to (default: a fresh one per optimizer).
 
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
@@ -150,6 +162,7 @@ class DistributedOptimizer(RoundSteps):
         shardps.proto.optim.OptimizerSpecError: an optimizer the shards cannot run.
         ConnectionError: a shard did not answer.
         ShardRpcError: a shard refused to join (e.g. a plan mismatch).
+        RuntimeError: the metrics port could not be bound.
     """
 
     def __init__(
@@ -179,6 +192,10 @@ class DistributedOptimizer(RoundSteps):
         staleness: int | None = None,
         scale_lr_by_staleness: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "0.0.0.0",
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
@@ -230,15 +247,19 @@ class DistributedOptimizer(RoundSteps):
         self._routed: dict | None = None  # the wrapped optimizer's methods while they are routed here
         self._leases: Leases | None = None
         self._recovery: Recovery | None = None
-        policy = RetryPolicy(total_seconds=retry_seconds)
+        self.metrics = WorkerMetrics(metrics_registry)
+        self.metrics_port: int | None = None
+        policy = RetryPolicy(total_seconds=retry_seconds, on_retry=self.metrics.retried)
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         try:
+            if metrics_port is not None:
+                self.metrics_port = self.metrics.serve(metrics_host, metrics_port)
             self._clients = list(self._pool.map(
                 lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
-                                       max_message_bytes=max_message_bytes, retry=policy),
+                                       max_message_bytes=max_message_bytes, retry=policy, security=security),
                 enumerate(servers),
             ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
@@ -319,6 +340,7 @@ class DistributedOptimizer(RoundSteps):
             self.last_step_skipped = await_decision(rnd, self._options, self._optimizer, self._finish_pull)
         if self._waits is None:
             self._finish_pull()
+        self.metrics.step_finished()
         # Tell LR schedulers attached to the wrapped optimizer that a step happened.
         self._optimizer._opt_called = True
         return loss
@@ -415,6 +437,7 @@ class DistributedOptimizer(RoundSteps):
         if self._routed is not None:
             optimizer_state.restore(self._optimizer, self._routed)
             self._routed = None
+        self.metrics.close()
 
     def __enter__(self) -> "DistributedOptimizer":
         return self

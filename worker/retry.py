@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -49,6 +49,8 @@ class RetryPolicy:
     total_seconds: float = 60.0
     initial_delay: float = 0.05
     max_delay: float = 2.0
+    #: called with the call's description before each retry (the worker's metrics count them)
+    on_retry: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.total_seconds < 0 or self.initial_delay <= 0 or self.max_delay < self.initial_delay:
@@ -88,4 +90,6 @@ def retry(call: Callable[[], T], policy: RetryPolicy, what: str, code_of: Callab
                 log.warning("%s failed (%s); retrying for up to %.0fs more", what, getattr(code, "name", code),
                             deadline - time.monotonic())
             attempt += 1
+            if policy.on_retry is not None:
+                policy.on_retry(what)
             time.sleep(pause)

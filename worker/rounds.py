@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
 
@@ -57,6 +58,11 @@ class Round:
         self.reports: dict[int, pb.RoundReport] = {}
         self.commit: pb.RoundCommit | None = None
         self.decided = threading.Event()
+        # for the worker's metrics: when step() closed the pushes, when each shard's push ended, bytes each way
+        self.closed_at = 0.0
+        self.sent_at = [0.0] * num_shards
+        self.pushed_bytes = [0] * num_shards
+        self.pulled_bytes = [0] * num_shards
 
     def chunk_arrived(self, key: str) -> None:
         with self.lock:
@@ -118,27 +124,32 @@ class Round:
 
 
 def push_requests(
-    header: pb.RoundHeader, q: queue.SimpleQueue, sent: threading.Event, push_dtype: torch.dtype, checksum: bool,
-    rnd: Round, commit_timeout: float,
+    header: pb.RoundHeader, shard: int, push_dtype: torch.dtype, checksum: bool, rnd: Round, commit_timeout: float,
 ) -> Iterator[bytes]:
     """Request stream of one shard's push; runs on gRPC's request-consumer thread.
 
     Yields the round header, then what ``step()`` and the hooks put on ``q``:
     ``("grad", chunk, values)`` (sent in ``push_dtype``), ``("buffer", chunk,
     values)`` (sent in their own dtype) and ``("trailer", RoundTrailer)``,
-    until ``None``; then, if the round needs one, the commit.
+    until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``.
     """
-    yield encode_round(header)
+    q, size = rnd.queues[shard], 0
+    frame = encode_round(header)
+    yield frame
     while (item := q.get()) is not None:  # blocking wait for the hooks and step()
+        size += len(frame)
         kind = item[0]
         if kind == "trailer":
-            yield encode_control(trailer=item[1])
+            frame = encode_control(trailer=item[1])
+            yield frame
             continue
         chunk, values = item[1], item[2]
         if kind == "grad":
             values = values.to("cpu", push_dtype)  # host sync for CUDA gradients, off the hook
-        yield encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
-    sent.set()  # every gradient byte of this shard is copied into a frame
+        frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
+        yield frame
+    rnd.pushed_bytes[shard], rnd.sent_at[shard] = size + len(frame), time.perf_counter()
+    rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
     if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report
         yield encode_control(commit=rnd.commit)
 
@@ -187,10 +198,11 @@ class ParameterSink:
             RuntimeError: the shard answered outside the protocol.
         """
         shard = client.index
-        version, count = None, 0
+        version, count, size = None, 0, 0
         try:
             with torch.no_grad():
                 for raw in call:  # blocking reads from the network
+                    size += len(raw)
                     frame = decode_frame(raw)
                     if frame.report is not None and rnd is not None and rnd.decide is not None and count == 0:
                         rnd.report_arrived(shard, frame.report)
@@ -212,6 +224,9 @@ class ParameterSink:
             raise client.error(what, exc) from None
         except FrameError as exc:
             raise RuntimeError(f"shard {shard} sent a malformed frame in its {what}: {exc}") from None
+        finally:
+            if rnd is not None:
+                rnd.pulled_bytes[shard] = size
         if count != self.shard_sizes[shard]:
             raise RuntimeError(f"shard {shard} sent {count} of {self.shard_sizes[shard]} chunks in its {what}")
         return min_version if version is None else version

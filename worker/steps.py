@@ -16,6 +16,7 @@ live worker is close enough), so the versions received are only ``> r``.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -54,8 +55,8 @@ class RoundSteps:
                 raise RuntimeError(self._diverged or self._leases.lost)
             rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
             for shard, client in enumerate(self._clients):
-                requests = push_requests(self._header(self.versions[shard]), rnd.queues[shard], rnd.sent[shard],
-                                         self._push_dtype, self._checksum, rnd, self._rpc_timeout)
+                requests = push_requests(self._header(self.versions[shard]), shard, self._push_dtype,
+                                         self._checksum, rnd, self._rpc_timeout)
                 rnd.calls.append(client.push_pull(requests))
             self._round = rnd
         return self._round
@@ -111,6 +112,7 @@ class RoundSteps:
                     rnd.queues[c.shard].put(("buffer", c, flat[c.offset : c.offset + c.numel]))
             trailer = pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(),
                                       absent_keys=absent, **self._options.trailer_fields())
+            rnd.closed_at = time.perf_counter()
             for q in rnd.queues:
                 q.put(("trailer", trailer))
                 q.put(None)
@@ -138,6 +140,9 @@ class RoundSteps:
         rnd, self._pulling = self._pulling, None
         if rnd is not None:
             applied, failed = rnd.outcome()
+            if not failed:
+                self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
+                                        sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))
             rejoined, failed = self._recovery.recover(failed) if failed else ({}, failed)
             self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
             if failed:

@@ -156,6 +156,9 @@ def test_members_expiring_together_leave_the_shard_working(start_cluster) -> Non
         a.pull(min_version=1)
         b.join()
         b.push(0, fill=1.0, round_=1)  # a (the lower id) has not pushed round 1: the round waits for it
+        # a's lease is renewed after b's push, so a can never expire alone first (which would let the round
+        # close with b's push under load); they expire in the same check, or b first (its push dropped)
+        client.heartbeat(a.worker_id, a.session, timeout=5.0)
         wait_until(lambda: list(client.stats().members) == [], 10, "both leases to expire")
         c.join()  # a fresh worker: the round is its alone
         c.push(0, fill=2.0, round_=1)

@@ -1,0 +1,443 @@
+"""The Kubernetes deployment in ``deploy/k8s``: schema-valid, consistent, and its exact commands run.
+
+The static tests read the objects ``kubectl apply -k`` would send (``base``,
+and ``tls``: the base plus its JSON patches, applied here) and validate each
+against the Kubernetes OpenAPI schemas that ``kubernetes-validate`` ships.
+The live test runs each container's own command and arguments, expanded the
+way the kubelet expands ``$(VAR)`` with the container's environment, as real
+processes on 127.0.0.1. Only what a pod gets from its surroundings is
+replaced: pod index, bind host, ports, checkpoint volume, namespace, the
+rendezvous address and the job's scale (one worker node), plus ``--epochs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch.distributed.run import get_args_parser as torchrun_parser
+
+from shardps.server import cli as server_cli
+from shardps.worker import cli as worker_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+K8S_VERSION = kubernetes_validate.latest_version()  # the newest schemas the package holds
+POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
+SHARD_PORTS = {"grpc": 50051, "health": 50052, "metrics": 9100}  # names and numbers fixed by the spec
+CHECKPOINT_ALLOWANCE_SECONDS = 30  # the least time a final checkpoint (after a scheduled one) may need
+ONE_WORKER = {"SHARDPS_MIN_WORKERS": "1", "SHARDPS_MAX_WORKERS": "1"}  # the live test's job: one worker node
+START_TIMEOUT, WORKER_TIMEOUT, STOP_TIMEOUT = 60.0, 120.0, 30.0  # seconds
+_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+# --- reading the manifests -------------------------------------------------------------------------------------------
+
+def _json_patch(doc: dict, op: dict) -> None:
+    """Apply one RFC 6902 ``add``/``replace`` operation to ``doc`` in place (what these overlays use)."""
+    assert op["op"] in ("add", "replace"), f"JSON patch op {op['op']!r}: teach tests/deploy/test_manifests.py"
+    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    value = copy.deepcopy(op["value"])
+    if isinstance(node, list) and last == "-":
+        node.append(value)
+    elif isinstance(node, list):
+        node.insert(int(last), value) if op["op"] == "add" else node.__setitem__(int(last), value)
+    else:
+        node[last] = value
+
+
+def load_kustomization(directory: Path) -> list[dict]:
+    """The objects ``kubectl kustomize DIRECTORY`` builds, for the features these kustomizations use.
+
+    Resources (files and directories) in order, and patch files of JSON
+    patches aimed at one kind/name; ``images`` only renames the image.
+
+    Raises:
+        AssertionError: a feature this reader does not know, or a patch target
+            that is not exactly one object.
+    """
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(k) - {"apiVersion", "kind", "resources", "patches", "images"}
+    assert not unknown, f"{directory}/kustomization.yaml uses {sorted(unknown)}: teach load_kustomization"
+    docs: list[dict] = []
+    for resource in k.get("resources", []):
+        path = directory / resource
+        docs += load_kustomization(path) if path.is_dir() else [
+            d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    for patch in k.get("patches", []):
+        target = patch["target"]
+        hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        assert len(hits) == 1, f"{directory}: patch {patch['path']} targets {len(hits)} objects, not one"
+        for op in yaml.safe_load((directory / patch["path"]).read_text()):
+            _json_patch(hits[0], op)
+    return docs
+
+
+def objects(directory: Path) -> dict[tuple[str, str], dict]:
+    """``load_kustomization`` keyed by ``(kind, name)``."""
+    return {(d["kind"], d["metadata"]["name"]): d for d in load_kustomization(directory)}
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[tuple[str, str], dict]:
+    return objects(K8S / "base")
+
+
+def _the_container(workload: dict) -> dict:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, f"{workload['metadata']['name']}: expected one container"
+    return containers[0]
+
+
+def _configmaps(docs: dict) -> dict[str, dict[str, str]]:
+    return {name: d.get("data", {}) for (kind, name), d in docs.items() if kind == "ConfigMap"}
+
+
+# --- what the kubelet does with env, command and args --------------------------------------------------------------
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: defined names are replaced, others stay as written, ``$$`` is ``$``."""
+    return _REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def container_env(container: dict, configmaps: dict[str, dict[str, str]], fields: dict[str, str],
+                  overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the kubelet gives ``container``: ``envFrom`` first, then ``env`` in order.
+
+    Each ``env`` value is expanded with the variables defined before it.
+
+    Args:
+        configmaps: ConfigMap name -> data.
+        fields: downward API ``fieldPath`` -> the value this pod would get.
+        overrides: variable -> value that replaces what the pod would get from
+            its surroundings (an expansion that uses it sees the replacement).
+
+    Raises:
+        AssertionError: a source this function does not know, or an override
+            naming a variable the container does not define.
+    """
+    overrides, env, used = dict(overrides or {}), {}, set()
+
+    def define(name: str, value: str) -> None:
+        if name in overrides:
+            value = overrides[name]
+            used.add(name)
+        env[name] = value
+
+    for source in container.get("envFrom", []):
+        assert set(source) <= {"configMapRef", "prefix"}, f"envFrom {source}: teach container_env"
+        for key, value in configmaps[source["configMapRef"]["name"]].items():
+            define(source.get("prefix", "") + key, value)
+    for var in container.get("env", []):
+        if "value" in var:
+            define(var["name"], expand(var["value"], env))
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            define(var["name"], configmaps[ref["name"]][ref["key"]])
+        elif "fieldRef" in var.get("valueFrom", {}):
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path in fields, f"env {var['name']} reads {path}; the test gives this pod only {sorted(fields)}"
+            define(var["name"], fields[path])
+        else:
+            raise AssertionError(f"env {var}: teach container_env this source")
+    assert used == set(overrides), f"the container defines none of {sorted(set(overrides) - used)}"
+    return env
+
+
+def command_line(container: dict, env: dict[str, str]) -> list[str]:
+    """``command + args`` after expansion; every ``$(VAR)`` must have resolved."""
+    argv = [expand(a, env) for a in container["command"] + container.get("args", [])]
+    unresolved = [a for a in argv if "$(" in a]
+    assert not unresolved, f"{container['name']}: no variable for {unresolved}"
+    return argv
+
+
+def shard_config(docs: dict, index: int):
+    """The ``ShardConfig`` the real ``shardps-server`` parser makes of pod ``index``'s command line."""
+    container = _the_container(docs["StatefulSet", "shardps-shard"])
+    argv = command_line(container, container_env(container, _configmaps(docs), {POD_INDEX_FIELD: str(index)}))
+    assert argv[0] == "shardps-server"
+    try:
+        return server_cli.parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"shardps-server refuses the StatefulSet's arguments {argv[1:]} (its message is in stderr)")
+
+
+def worker_command(docs: dict, namespace: str = "default"):
+    """``(argv, torchrun's parsed args, shardps' parsed args)`` of the worker Job's container."""
+    container = _the_container(docs["Job", "shardps-worker"])
+    argv = command_line(container, container_env(container, _configmaps(docs), {"metadata.namespace": namespace}))
+    assert argv[0] == "torchrun"
+    launcher = torchrun_parser().parse_args(argv[1:])
+    try:
+        shardps = worker_cli._parser().parse_args(launcher.training_script_args)
+    except SystemExit:
+        pytest.fail(f"shardps refuses the Job's arguments {launcher.training_script_args} (message in stderr)")
+    return argv, launcher, shardps
+
+
+# --- static checks ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", ["base", "tls"])
+def test_every_object_validates_against_the_kubernetes_schemas(overlay):
+    docs = load_kustomization(K8S / overlay)
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"deploy/k8s/{overlay}: {doc['kind']}/{doc['metadata']['name']} is not valid Kubernetes "
+                        f"{K8S_VERSION}: {exc.message} at {'.'.join(map(str, exc.path))}")
+
+
+def test_kustomizations_name_every_file():
+    for overlay in ("base", "tls"):
+        k = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
+        named = {r for r in k.get("resources", []) if not (K8S / overlay / r).is_dir()}
+        named |= {p["path"] for p in k.get("patches", [])}
+        present = {p.name for p in (K8S / overlay).glob("*.yaml")} - {"kustomization.yaml"}
+        assert named == present, f"deploy/k8s/{overlay}: files {sorted(present - named)} are not in its kustomization"
+
+
+def test_shard_statefulset_matches_its_service_config_and_probes(base):
+    cm = base["ConfigMap", "shardps"]["data"]
+    sts = base["StatefulSet", "shardps-shard"]
+    spec, pod = sts["spec"], sts["spec"]["template"]
+    svc = base["Service", spec["serviceName"]]
+    labels = pod["metadata"]["labels"]
+    assert labels[NAME] == "shardps" and labels[COMPONENT] == "shard"
+    assert svc["spec"].get("clusterIP") == "None", "the StatefulSet's Service must be headless (pod DNS names)"
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert spec["podManagementPolicy"] == "Parallel"
+
+    addresses = cm["SHARDPS_SERVERS"].split(",")
+    assert spec["replicas"] == len(addresses) == int(cm["SHARDPS_NUM_SHARDS"]), \
+        "replicas, SHARDPS_NUM_SHARDS and the addresses in SHARDPS_SERVERS must agree"
+    container = _the_container(sts)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == SHARD_PORTS
+    assert addresses == [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{ports['grpc']}"
+                         for i in range(spec["replicas"])], "SHARDPS_SERVERS must list the pods in ordinal order"
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(ports)
+
+    for index in (0, spec["replicas"] - 1):
+        config = shard_config(base, index)
+        assert (config.shard_index, config.num_shards) == (index, spec["replicas"])
+        assert (config.host, config.port, config.health_port, config.metrics_port) == (
+            "0.0.0.0", ports["grpc"], ports["health"], ports["metrics"])
+    assert config.min_workers == int(cm["SHARDPS_MIN_WORKERS"])
+    assert config.checkpoint_every_seconds > 0
+
+    assert "readinessProbe" in container and "livenessProbe" in container
+    for probe in {"startupProbe", "readinessProbe", "livenessProbe"} & set(container):
+        assert container[probe]["grpc"] == {"port": ports["health"]}, f"{probe} must ask the plaintext health port"
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace > config.grace_seconds + CHECKPOINT_ALLOWANCE_SECONDS, (
+        f"terminationGracePeriodSeconds {grace} leaves no time for the final checkpoint after "
+        f"--grace-seconds {config.grace_seconds}")
+
+    (claim,) = spec["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == config.checkpoint_dir, "the PVC must be mounted at --checkpoint-dir"
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+
+
+def test_worker_job_is_elastic_torchrun_against_the_shards(base):
+    cm = base["ConfigMap", "shardps"]["data"]
+    job = base["Job", "shardps-worker"]
+    spec, pod = job["spec"], job["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert labels[NAME] == "shardps" and labels[COMPONENT] == "worker"
+    svc = base["Service", pod["spec"]["subdomain"]]
+    assert svc["spec"].get("clusterIP") == "None" and svc["spec"]["selector"].items() <= labels.items()
+    shard_selector = base["Service", "shardps-shard"]["spec"]["selector"]
+    assert not shard_selector.items() <= labels.items(), "the shards' Service must not select workers"
+
+    low, high = int(cm["SHARDPS_MIN_WORKERS"]), int(cm["SHARDPS_MAX_WORKERS"])
+    assert spec["completionMode"] == "Indexed"
+    assert low <= spec["parallelism"] == spec["completions"] <= high
+    container = _the_container(job)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+
+    _, launcher, args = worker_command(base, namespace="ns")
+    assert launcher.nnodes == f"{low}:{high}" and launcher.nproc_per_node == "1"
+    assert launcher.rdzv_backend == "c10d" and launcher.no_python and launcher.training_script == "shardps"
+    assert launcher.rdzv_endpoint == (f"{job['metadata']['name']}-0.{svc['metadata']['name']}.ns.svc.cluster.local:"
+                                      f"{ports['rdzv']}"), "the rendezvous must be pod 0's full DNS name"
+    assert (args.command, args.job, args.worker_index) == ("train", "digits", "env")
+    assert args.workers is None, "--workers comes from torchrun's WORLD_SIZE"
+    assert ",".join(args.servers) == cm["SHARDPS_SERVERS"]
+    assert args.local_ranks == int(launcher.nproc_per_node)
+    assert args.metrics_port == ports["metrics"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+
+
+def test_pods_are_non_root_bounded_and_match_the_image(base):
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    user = re.search(r"^USER (\d+):(\d+)\s*$", dockerfile, re.M)
+    assert user, "deploy/Dockerfile must name its user by number (runAsNonRoot cannot check a name)"
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", dockerfile, re.M) for p in line.split()}
+    for key in (("StatefulSet", "shardps-shard"), ("Job", "shardps-worker")):
+        pod = base[key]["spec"]["template"]["spec"]
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert (context["runAsUser"], context["runAsGroup"]) == (int(user.group(1)), int(user.group(2)))
+        container = _the_container(base[key])
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(container["resources"][kind]), f"{key}: {kind} for cpu and memory"
+        assert {p["containerPort"] for p in container["ports"]} <= exposed, f"{key}: ports the image does not EXPOSE"
+
+
+def test_tls_overlay_mounts_every_file_its_flags_name(tmp_path):
+    docs = objects(K8S / "tls")
+    flags = {"--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"}
+    files = {}
+    for key in (("StatefulSet", "shardps-shard"), ("Job", "shardps-worker")):
+        pod = docs[key]["spec"]["template"]["spec"]
+        container = _the_container(docs[key])
+        secrets = {v["name"] for v in pod["volumes"] if "secret" in v}
+        mounts = [m for m in container["volumeMounts"] if m["name"] in secrets]
+        assert mounts and all(m.get("readOnly") for m in mounts), f"{key}: mount the Secret read-only"
+        given = dict(a.split("=", 1) for a in container["args"] if a.split("=", 1)[0] in flags)
+        assert set(given) == flags, f"{key}: TLS flags {sorted(flags - set(given))} missing"
+        for flag, path in given.items():
+            assert any(path.startswith(m["mountPath"] + "/") for m in mounts), f"{key}: {flag} {path} is not mounted"
+        files[key[0]] = given
+    sts = _the_container(docs["StatefulSet", "shardps-shard"])
+    assert sts["readinessProbe"]["grpc"]["port"] == SHARD_PORTS["health"], "probes stay on the plaintext port"
+
+    # Both programs accept the flags. The shard's parser opens the files: point the mount at placeholders.
+    (mount,) = {p.rsplit("/", 1)[0] for p in files["StatefulSet"].values()}
+    for path in files["StatefulSet"].values():
+        (tmp_path / path.rsplit("/", 1)[1]).write_text("placeholder\n")
+    argv = command_line(sts, container_env(sts, _configmaps(docs), {POD_INDEX_FIELD: "0"}))
+    argv = [a.replace(mount + "/", f"{tmp_path}/") for a in argv[1:]]
+    try:
+        config = server_cli.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"shardps-server refuses the TLS overlay's arguments {argv} (message in stderr)")
+    assert config.tls_ca and config.tls_cert and config.tls_key and config.auth_token_file
+    _, _, args = worker_command(docs)
+    assert (args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file) == tuple(
+        files["Job"][f] for f in ("--tls-ca", "--tls-cert", "--tls-key", "--auth-token-file"))
+
+
+# --- the commands, run -----------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_until(proc: subprocess.Popen, pattern: re.Pattern, deadline: float, what: str) -> str:
+    """Everything ``proc`` printed on stdout until a line matches ``pattern``; fails at ``deadline`` or exit."""
+    out, fd = b"", proc.stdout.fileno()
+    while not pattern.search(out.decode(errors="replace")):
+        remaining = deadline - time.monotonic()
+        ready = select.select([fd], [], [], max(0.0, remaining))[0] if remaining > 0 else []
+        if not ready:
+            pytest.fail(f"{what} printed no {pattern.pattern!r} in time; stdout so far: {out.decode()!r}")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            pytest.fail(f"{what} exited with {proc.wait(timeout=10)} before printing {pattern.pattern!r}; "
+                        f"stdout: {out.decode()!r}")
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    hits = [i for i, a in enumerate(argv) if a.startswith(flag + "=")]
+    assert len(hits) == 1, f"expected one {flag}=... in {argv}"
+    return [f"{flag}={value}" if i == hits[0] else a for i, a in enumerate(argv)]
+
+
+def test_manifest_commands_serve_train_and_stop_on_loopback(tmp_path, base):
+    """Shard pods (exact command, env-expanded args) serve health and metrics, the worker Job's exact torchrun
+    command trains one epoch against them, and SIGTERM stops every shard with exit 0 and a final checkpoint."""
+    configmaps = _configmaps(base)
+    shard = _the_container(base["StatefulSet", "shardps-shard"])
+    assert shutil.which(shard["command"][0]), f"{shard['command'][0]} is not on PATH: pip install -e ."
+    shards: list[tuple[subprocess.Popen, Path, Path]] = []  # process, checkpoint volume, stderr log
+    logs = []
+    try:
+        for index in range(int(configmaps["shardps"]["SHARDPS_NUM_SHARDS"])):
+            volume, log = tmp_path / f"pvc-{index}", tmp_path / f"shard-{index}.log"
+            volume.mkdir()
+            env = container_env(shard, configmaps, {POD_INDEX_FIELD: str(index)}, {
+                **ONE_WORKER, "SHARDPS_HOST": "127.0.0.1", "SHARDPS_PORT": "0",
+                "SHARDPS_HEALTH_PORT": "0", "SHARDPS_METRICS_PORT": "0",
+                "SHARDPS_CHECKPOINT_DIR": str(volume)})
+            logs.append(open(log, "wb"))
+            proc = subprocess.Popen(command_line(shard, env), env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=logs[-1], bufsize=0)
+            shards.append((proc, volume, log))
+        deadline, addresses = time.monotonic() + START_TIMEOUT, []
+        for index, (proc, _, log) in enumerate(shards):
+            out = _read_until(proc, re.compile(r"listening on \S+:\d+"), deadline, f"shard {index} ({log})")
+            found = {m.group(1): m.group(2) for m in re.finditer(
+                rf"^shardps-server shard {index}/\d+ (metrics|health|listening) on (\S+:\d+)$", out, re.M)}
+            assert set(found) == {"metrics", "health", "listening"}, f"shard {index} printed {out!r}"
+            addresses.append(found["listening"])
+            with grpc.insecure_channel(found["health"]) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with urllib.request.urlopen(f"http://{found['metrics']}/metrics", timeout=10) as page:
+                assert re.search(rf'^shardps_shard_version{{shard="{index}"}} ', page.read().decode(), re.M)
+
+        worker = _the_container(base["Job", "shardps-worker"])
+        env = container_env(worker, configmaps, {"metadata.namespace": "default"}, {
+            **ONE_WORKER, "SHARDPS_SERVERS": ",".join(addresses),
+            "SHARDPS_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "SHARDPS_WORKER_METRICS_PORT": "0"})
+        argv = _set_flag(command_line(worker, env), "--epochs", "1")
+        job = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            out = job.communicate(timeout=WORKER_TIMEOUT)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)  # torchrun and the worker it started: their own session
+            out = job.communicate()[0].decode(errors="replace")
+            pytest.fail(f"the worker Job's command did not finish in {WORKER_TIMEOUT:.0f}s:\n{out[-4000:]}")
+        finally:
+            if job.poll() is None:  # an error above: torchrun (our child, not yet reaped) leads its group
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+        assert job.returncode == 0, f"the worker Job's command failed:\n{out[-4000:]}"
+        assert re.search(r"^done .*test_accuracy=", out, re.M) and re.search(r"metrics on \S+:\d+", out), out[-4000:]
+
+        for proc, _, _ in shards:
+            proc.send_signal(signal.SIGTERM)
+        for index, (proc, volume, log) in enumerate(shards):
+            assert proc.wait(timeout=STOP_TIMEOUT) == 0, f"shard {index}: {log.read_text()[-2000:]}"
+            assert any((volume / f"shard-{index}").iterdir()), f"shard {index} left no checkpoint in its volume"
+    finally:
+        for proc, *_ in shards:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        for log in logs:
+            log.close()

@@ -1,0 +1,126 @@
+"""Prometheus metrics of real shards and a real worker, scraped over HTTP and checked against Stats.
+
+Shards run with ``--metrics-port 0``; the worker serves its own endpoint
+(``metrics_port=0``) from a registry the test injects, so the numbers are
+read both over HTTP (as Prometheus does) and from the registry itself.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardps.worker.client import ShardClient
+from shardps.worker.optimizer import DistributedOptimizer
+from tests.raw import raw_call
+
+STEPS = 6
+BATCH = 8
+
+
+def scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    """``{(sample name, labels): value}`` of the endpoint ``host:port`` (``/metrics``, text format)."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(name, frozenset({k: str(v) for k, v in labels.items()}.items()))]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two shards with metrics and checkpoints; one worker ran STEPS steps, then made one bad call."""
+    from tests.forked import ForkedCluster
+
+    directory = tmp_path_factory.mktemp("ckpt")
+    cluster = ForkedCluster(2, extra_args=("--metrics-port", "0", "--checkpoint-dir", str(directory))).start()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        registry = CollectorRegistry()
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model.named_parameters(),
+                                   servers=cluster.servers, worker_id="metrics-w0", metrics_port=0,
+                                   metrics_host="127.0.0.1", metrics_registry=registry)
+        with opt:
+            for _ in range(STEPS):
+                opt.zero_grad()
+                model(torch.randn(BATCH, 32)).square().mean().backward()
+                opt.metrics.count_samples(BATCH)
+                opt.step()
+            worker = scrape(f"127.0.0.1:{opt.metrics_port}")
+            live = [scrape(a) for a in cluster.metrics_addresses]
+        code, _ = raw_call(cluster.addresses[0], "Join", b"\xff\xff not a JoinRequest")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        stats = []
+        for i, address in enumerate(cluster.addresses):
+            client = ShardClient(address, index=i, connect_timeout=10.0)
+            try:
+                client.checkpoint()
+                stats.append(client.stats())
+            finally:
+                client.close()
+        shards = [scrape(a) for a in cluster.metrics_addresses]
+        yield {"worker": worker, "registry": registry, "live": live, "shards": shards, "stats": stats}
+    finally:
+        cluster.stop()
+
+
+def test_shard_metrics_match_the_shards_own_counts(trained):
+    for i, (samples, live, stats) in enumerate(zip(trained["shards"], trained["live"], trained["stats"])):
+        assert value(samples, "shardps_shard_version", shard=i) == stats.version == STEPS
+        assert value(samples, "shardps_shard_rounds_total", shard=i, mode="sync") == STEPS
+        assert value(samples, "shardps_shard_rounds_total", shard=i, mode="async") == 0
+        assert value(samples, "shardps_shard_received_bytes_total", shard=i) == stats.push_bytes_total > 0
+        assert value(samples, "shardps_shard_sent_bytes_total", shard=i) == stats.pull_bytes_total > 0
+        assert value(samples, "shardps_shard_rpcs_total", shard=i, method="PushPull", code="OK") == STEPS
+        assert value(samples, "shardps_shard_rpcs_total", shard=i, method="Join", code="OK") == 1
+        assert value(samples, "shardps_shard_rpc_seconds_count", shard=i, method="PushPull") == STEPS
+        assert value(samples, "shardps_shard_update_seconds_count", shard=i) == STEPS
+        assert value(samples, "shardps_shard_staleness_versions_count", shard=i) == STEPS  # one contributor
+        assert value(samples, "shardps_shard_staleness_versions_bucket", shard=i, le="0.0") == STEPS  # sync: 0
+        assert value(samples, "shardps_shard_joins_total", shard=i) == 1
+        assert value(samples, "shardps_shard_leaves_total", shard=i) == 1
+        assert value(samples, "shardps_shard_lease_expiries_total", shard=i) == 0
+        assert value(samples, "shardps_shard_min_workers", shard=i) == 1
+        assert value(live, "shardps_shard_live_workers", shard=i) == 1  # scraped while the worker trained
+        assert value(samples, "shardps_shard_live_workers", shard=i) == 0  # after it left
+        assert value(samples, "shardps_shard_checkpoint_seconds_count", shard=i) == 1
+        assert value(samples, "shardps_shard_last_checkpoint_timestamp_seconds", shard=i) == pytest.approx(
+            stats.checkpoint_unix_seconds)
+        assert stats.checkpoint_unix_seconds > 0
+    bad = value(trained["shards"][0], "shardps_shard_rpcs_total", shard=0, method="Join", code="INVALID_ARGUMENT")
+    assert bad == 1  # the malformed Join, counted with its status
+    assert value(trained["shards"][1], "shardps_shard_rpcs_total", shard=1, method="Join",
+                 code="INVALID_ARGUMENT") == 0
+
+
+def test_every_label_is_bounded(trained):
+    """No series names a parameter or a worker: labels are shard, method, code, mode, le, version only."""
+    allowed = {"shard", "method", "code", "mode", "le", "version"}
+    for samples in (*trained["shards"], trained["worker"]):
+        for _, labels in samples:
+            assert {k for k, _ in labels} <= allowed
+
+
+def test_worker_metrics_count_steps_bytes_and_samples(trained):
+    worker, registry, stats = trained["worker"], trained["registry"], trained["stats"]
+    assert value(worker, "shardps_worker_steps_total") == STEPS
+    assert registry.get_sample_value("shardps_worker_steps_total") == STEPS  # the injected registry
+    assert value(worker, "shardps_worker_samples_total") == STEPS * BATCH
+    assert value(worker, "shardps_worker_samples_per_second") > 0
+    assert value(worker, "shardps_worker_step_seconds_count") == STEPS - 1  # step end to step end
+    assert value(worker, "shardps_worker_push_seconds_count") == STEPS
+    assert value(worker, "shardps_worker_pull_seconds_count") == STEPS
+    # every PushPull byte the shards received came from this worker (Init and the first pull excluded)
+    shard_received = sum(s.push_bytes_total for s in stats)
+    pushed = value(worker, "shardps_worker_pushed_bytes_total")
+    assert 0 < pushed < shard_received
+    assert value(worker, "shardps_worker_pulled_bytes_total") > 0
+    assert value(worker, "shardps_worker_retries_total", method="join") == 0
