@@ -66,8 +66,8 @@ class LocalCluster:
 
     @property
     def metrics_addresses(self) -> list[str]:
-        """``host:port`` of each shard's Prometheus endpoint (shards started with ``--metrics-port``)."""
-        return [e["metrics"] for e in self.endpoints]
+        """``host:port`` of each shard's Prometheus endpoint; empty unless shards run with ``--metrics-port``."""
+        return [e["metrics"] for e in self.endpoints] if all("metrics" in e for e in self.endpoints) else []
 
     @property
     def servers(self) -> str:
