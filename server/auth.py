@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 #: Method prefix of the health service, which every caller may use.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
-_KINDS = {
+#: ``(request streaming, response streaming)`` -> the gRPC function that makes a handler of that kind.
+HANDLER_KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -46,7 +47,7 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
         yield b""  # never reached; makes this an async generator, as streaming handlers (and their wrappers) expect
 
     kind = (False, False) if handler is None else (bool(handler.request_streaming), bool(handler.response_streaming))
-    return _KINDS[kind](refuse_stream if kind[1] else refuse)  # no deserializer: the request is never parsed
+    return HANDLER_KINDS[kind](refuse_stream if kind[1] else refuse)  # no deserializer: the request is never parsed
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

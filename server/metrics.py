@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.version import shardps_version
+from shardps.server.auth import HANDLER_KINDS
 from shardps.server.modes import MODES
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"]
@@ -152,13 +153,16 @@ class ShardMetrics:
         return server.server_port
 
 
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
 def _code_name(context) -> str:
     code = context.code()
     if code is None:
         return "UNKNOWN"
     if isinstance(code, grpc.StatusCode):
         return code.name
-    return {c.value[0]: c.name for c in grpc.StatusCode}.get(int(code), "UNKNOWN")
+    return _CODE_NAMES.get(int(code), "UNKNOWN")
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -196,8 +200,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     finished(context, started, error)
 
-            make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-            return make(streaming, request_deserializer=handler.request_deserializer,
+            return HANDLER_KINDS[(bool(handler.request_streaming), True)](streaming, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
         behavior = handler.unary_unary or handler.stream_unary
 
@@ -211,6 +214,5 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 finished(context, started, error)
 
-        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-        return make(unary, request_deserializer=handler.request_deserializer,
+        return HANDLER_KINDS[(bool(handler.request_streaming), False)](unary, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)

@@ -31,7 +31,7 @@ from shardps.proto.codec import encode_control
 from shardps.proto.security import read_token_file, server_credentials
 from shardps.proto.transport import channel_options
 from shardps.server import checks
-from shardps.server.auth import BearerTokenInterceptor
+from shardps.server.auth import HANDLER_KINDS, BearerTokenInterceptor
 from shardps.server.config import ShardConfig
 from shardps.server.errors import InvalidArgument, ShardError, stopped_with
 from shardps.server.store import ShardStore
@@ -216,20 +216,12 @@ class ShardServicer:
         return await self.store.checkpoint()
 
 
-_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
     """Handlers for every method of ``shardps.v1.Shard``: raw-bytes requests, Frame responses stay raw."""
     handlers = {}
     for method in SERVICE.methods:
         response_raw = method.output_type.name == "Frame"
-        make = _KINDS[(method.client_streaming, method.server_streaming)]
+        make = HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=None,
@@ -327,8 +319,6 @@ def _security(config: ShardConfig) -> tuple[grpc.ServerCredentials | None, list[
             (the message names the flag).
     """
     try:
-        if config.tls_ca and not config.tls_cert:
-            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key: the shard must serve TLS")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca) \
             if config.tls_cert or config.tls_key else None
         auth = [BearerTokenInterceptor(read_token_file(config.auth_token_file))] if config.auth_token_file else []

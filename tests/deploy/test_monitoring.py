@@ -6,7 +6,7 @@ JSON with its generator. The live test starts a real ``prometheus`` that
 scrapes real shards and a real ``shardps train digits`` job on loopback and runs every dashboard query
 and every alert expression (its threshold removed) through the HTTP API.
 The Prometheus tests need the ``prometheus`` package (``promtool`` and
-``prometheus`` on PATH; ``.ci/run`` installs it) and are skipped without it.
+``prometheus`` on PATH; ``.ci/run`` installs it) and fail without it.
 """
 
 from __future__ import annotations
@@ -50,10 +50,18 @@ dashboard = _load("dashboard")
 stack = _load("stack")
 
 JOBS = ("shardps-shards", "shardps-workers")
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool is not installed (apt-get install prometheus)")
-needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                      reason="prometheus is not installed (apt-get install prometheus)")
+
+
+@pytest.fixture
+def prometheus_package() -> None:
+    """Fail (not skip) without Debian's ``prometheus`` package: these tests are the monitoring must-shows."""
+    missing = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not on PATH: install Debian's package (apt-get install prometheus), "
+                    "as .ci/run does")
+
+
+needs_promtool = needs_prometheus = pytest.mark.usefixtures("prometheus_package")
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

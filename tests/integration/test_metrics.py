@@ -124,3 +124,32 @@ def test_worker_metrics_count_steps_bytes_and_samples(trained):
     assert 0 < pushed < shard_received
     assert value(worker, "shardps_worker_pulled_bytes_total") > 0
     assert value(worker, "shardps_worker_retries_total", method="join") == 0
+
+
+def test_a_metrics_port_in_use_is_an_error_on_both_sides(start_cluster) -> None:
+    """A shard whose --metrics-port is taken exits 1 naming it; a worker's metrics_port taken raises and leaves."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        shard = subprocess.run(
+            [sys.executable, "-m", "shardps.server", "--shard-index", "0", "--num-shards", "1",
+             "--metrics-port", str(port)], capture_output=True, text=True, timeout=60)
+        assert shard.returncode == 1, shard.stderr[-2000:]
+        assert f"could not bind the metrics endpoint 127.0.0.1:{port}" in shard.stderr
+        assert "listening on" not in shard.stdout  # it never served
+
+        cluster = start_cluster(1)
+        model = torch.nn.Linear(4, 2)
+        with pytest.raises(RuntimeError, match=f"worker metrics endpoint 127.0.0.1:{port}"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                 servers=cluster.servers, metrics_port=port, metrics_host="127.0.0.1")
+    client = ShardClient(cluster.addresses[0], index=0, connect_timeout=10.0)
+    try:
+        assert list(client.stats().members) == []  # the worker never joined
+    finally:
+        client.close()
