@@ -293,6 +293,7 @@ def _run_task(task: dict, rank: int, counter: Any, results: Any, go: Any) -> dic
                                    model.named_parameters(), servers=task["endpoint"],
                                    worker_id=f"straggler-{rank}", mode=mode,
                                    staleness=task["staleness"] if mode == "ssp" else None,
+                                   scale_lr_by_staleness=task["scale_lr"] and mode != "sync",
                                    rpc_timeout=timeout, connect_timeout=min(timeout, 30.0))
         try:
             ready = _wait_for_go(rank, results, go, timeout)
@@ -564,7 +565,7 @@ def run_one(workers: Workers, clusters: Clusters, args: Any, scenario: str, mode
     task = {"scenario": scenario, "mode": mode, "steps": args.steps, "budget": budget, "batch_size": args.batch_size,
             "model": args.model, "optimizer": args.optimizer, "lr": args.lr, "base_seconds": args.base_seconds,
             "slow_factor": args.slow_factor, "persistent_factor": args.persistent_factor, "staleness": args.staleness,
-            "draws": straggler_draws(budget)}
+            "scale_lr": args.scale_lr_by_staleness, "draws": straggler_draws(budget)}
     began = time.monotonic()
     cluster = None
     if mode == "ddp":
@@ -698,6 +699,8 @@ def main() -> None:
     p.add_argument("--persistent-factor", type=float, default=2.0,
                    help="persistent straggler's (worker 2) slowdown (default 2.0)")
     p.add_argument("--staleness", type=int, default=2, help="ssp bound s (default 2)")
+    p.add_argument("--scale-lr-by-staleness", action="store_true",
+                   help="async/ssp: the shards divide each push's lr by its staleness (Zhang et al., IJCAI 2016)")
     p.add_argument("--run-timeout", type=float, default=180.0,
                    help="seconds one (scenario, mode) may take before the benchmark gives up (default 180)")
     args = p.parse_args()
@@ -746,7 +749,8 @@ def main() -> None:
                    "momentum": MOMENTUM if args.optimizer == "sgd" else None,
                    "base_seconds": args.base_seconds, "slow_factor": args.slow_factor,
                    "persistent_factor": args.persistent_factor, "persistent_straggler": PERSISTENT_STRAGGLER,
-                   "staleness_bound": args.staleness, "seed": SEED, "initial_loss": initial_loss},
+                   "staleness_bound": args.staleness, "scale_lr_by_staleness": args.scale_lr_by_staleness,
+                   "seed": SEED, "initial_loss": initial_loss},
         **results["transient"],
         "persistent": results["persistent"],
         "goals": goal_figures,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.worker.client import ShardRpcError
+from shardps.worker.client import ShardClient, ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer, mode_spec
 from tests.threads import run_workers
 
@@ -195,3 +195,59 @@ def test_overlap_accumulation_and_scheduler_work_in_every_mode(start_cluster, mo
         sched.step()
     for (name, want), got in zip(expected.named_parameters(), model.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_async_push_of_a_future_version_is_refused_and_changes_nothing(start_cluster) -> None:
+    """async: a push that claims to come from a version the shard has not reached yet is FAILED_PRECONDITION."""
+    from tests.raw import RawWorker, snapshot
+
+    cluster = start_cluster(1)
+    model = make_model()
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                              servers=cluster.servers, worker_id="w0", mode="async", chunk_bytes=256) as dist:
+        x, y = batch(0, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        dist.step()
+        dist.synchronize()
+        assert dist.versions == [1]
+        client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=10.0)
+        try:
+            before = snapshot(client)
+            raw = RawWorker(client, "w0", dist.plan, dist._spec, session=dist.session)
+            with pytest.raises(ShardRpcError) as info:
+                raw.push(0, fill=0.5, round_=5, lrs=[0.05])
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "version 5" in str(info.value) and "at version 1" in str(info.value)
+            assert snapshot(client) == before  # version, members, open pushes and parameters unchanged
+        finally:
+            client.close()
+        dist.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        dist.step()  # the member goes on normally
+        dist.synchronize()
+        assert dist.versions == [2]
+
+
+def test_ssp_wait_past_its_limit_names_the_slowest_workers(start_cluster) -> None:
+    """ssp s=0: a worker whose clock runs ahead of a member that never steps gets DEADLINE_EXCEEDED naming it."""
+    cluster = start_cluster(1, extra_args=("--max-wait-seconds", "1.5"))
+    models = [make_model(), make_model()]
+    opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), m.named_parameters(),
+                                 servers=cluster.servers, worker_id=f"w{i}", mode="ssp", staleness=0,
+                                 chunk_bytes=256, rpc_timeout=20)
+            for i, m in enumerate(models)]
+    try:
+        x, y = batch(0, 0)
+        nn.functional.cross_entropy(models[0](x), y).backward()
+        began = time.monotonic()
+        with pytest.raises(ShardRpcError) as info:
+            opts[0].step()
+            opts[0].synchronize()
+        waited = time.monotonic() - began
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        message = str(info.value)
+        assert "slowest workers" in message and "'w1'" in message and "ssp bound 0" in message, message
+        assert 1.0 < waited < 15, waited  # the shard's limit, not the client's rpc_timeout
+    finally:
+        for opt in opts:
+            opt.close()

@@ -7,14 +7,11 @@ import shardps.proto.plan as plan_module
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.plan import (
     BUFFER_ITEMSIZE,
-    MIN_PIECE_BYTES,
-    PIECES_PER_SHARD,
     PLAN_FORMAT,
     BufferInfo,
     KeyInfo,
     PartitionPlan,
     keys_from_named_parameters,
-    piece_bytes_for,
 )
 from shardps.worker import digits
 
@@ -93,7 +90,7 @@ def test_keys_from_named_parameters_checks_groups() -> None:
         keys_from_named_parameters(list(model.named_parameters()), stranger.param_groups)
 
 
-# --- adaptive piece size (PLAN_FORMAT 3) ---------------------------------------------------------------------------
+# --- byte quotas per shard (PLAN_FORMAT 4) -----------------------------------------------------------------------------
 
 KIB = 1 << 10
 
@@ -165,12 +162,24 @@ def test_shard_bytes_balanced_within_10_percent(name: str, num_shards: int) -> N
     plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=1 << 20)
     load = loads(plan)
     assert sum(load) == total
-    assert max(load) - min(load) <= plan.piece_bytes  # greedy: within one piece
-    if total > num_shards * 32 * KIB:  # the rule's regime: >= 16 pieces per shard, so within 1/16 of the mean
-        assert plan.piece_bytes <= total // (PIECES_PER_SHARD * num_shards)
-    else:  # smaller: the floor sets the piece
-        assert plan.piece_bytes == MIN_PIECE_BYTES
+    quotas = [total * (s + 1) // num_shards - total * s // num_shards for s in range(num_shards)]
+    assert all(abs(got - want) <= 4 for got, want in zip(load, quotas)), (load, quotas)  # within one fp32 element
     assert spread(plan) <= 0.10, f"{name} on {num_shards} shards: {load}"
+
+
+def test_few_chunks_one_per_key_plus_shard_boundaries() -> None:
+    """Every chunk is a frame per push and per pull: a small model gets one per key plus one per boundary."""
+    for name in ("small_cnn", "digits_mlp"):
+        keys = model_keys(name)
+        for num_shards in (1, 2, 3, 4):
+            plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=1 << 20)
+            assert len(keys) <= len(plan.chunks) <= len(keys) + num_shards - 1, (name, num_shards)
+    # a 300 KB MLP (32 -> 256 -> 256 -> 10) on 2 shards: format 3 cut it into 37 chunks
+    mlp = [KeyInfo("0.weight", (256, 32), 0), KeyInfo("0.bias", (256,), 0), KeyInfo("2.weight", (256, 256), 0),
+           KeyInfo("2.bias", (256,), 0), KeyInfo("4.weight", (10, 256), 0), KeyInfo("4.bias", (10,), 0)]
+    plan = PartitionPlan.build(mlp, num_shards=2, chunk_bytes=1 << 20)
+    assert len(plan.chunks) == 7 and plan.shard_bytes() == [153_620, 153_620]
+    assert [(c.key, c.shard) for c in plan.chunks if c.key == "2.weight"] == [("2.weight", 0), ("2.weight", 1)]
 
 
 def test_size_regimes_of_the_balance_models() -> None:
@@ -182,32 +191,35 @@ def test_size_regimes_of_the_balance_models() -> None:
 
 
 def test_old_imbalance_case_is_balanced() -> None:
-    """The small CNN on 2 shards: 128,704 / 20,296 bytes with 1 MiB chunks; now within 10% (and 1%)."""
+    """The small CNN on 2 shards: 128,704 / 20,296 bytes with 1 MiB chunks (format 2); now 74,500 each."""
     plan = PartitionPlan.build(model_keys("small_cnn"), num_shards=2, chunk_bytes=1 << 20)
-    assert plan.chunk_bytes == 1 << 20 and plan.piece_bytes == 149_000 // 32 // 4 * 4 == 4656
-    assert plan.shard_bytes() == [74_312, 74_688] and spread(plan) <= 0.01
+    assert plan.chunk_bytes == 1 << 20
+    assert plan.shard_bytes() == [74_500, 74_500] and spread(plan) == 0
 
 
-def test_adaptive_plan_is_deterministic() -> None:
+def test_quota_plan_is_deterministic() -> None:
     keys = model_keys("small_cnn")
     p1 = PartitionPlan.build(keys, num_shards=3, chunk_bytes=1 << 20)
     p2 = PartitionPlan.build(model_keys("small_cnn"), num_shards=3, chunk_bytes=1 << 20)
     assert p1 == p2 and p1.fingerprint == p2.fingerprint and p1.chunks == p2.chunks
-    assert PartitionPlan.from_proto(p1.to_proto()) == p1  # the shard derives the same pieces from chunk_bytes
+    assert PartitionPlan.from_proto(p1.to_proto()) == p1  # the shard derives the same chunks
     assert [c.key_index for c in p1.chunks] == sorted(c.key_index for c in p1.chunks)  # key order kept
 
 
 @pytest.mark.parametrize(
-    "name, chunk_bytes",  # the transformer in 64-byte pieces would be a million chunks
+    "name, chunk_bytes",  # the transformer in 64-byte chunks would be a million chunks
     [(n, cb) for n in MODELS for cb in (64, 4 * KIB, 64 * KIB, 1 << 20) if n != "transformer" or cb >= 64 * KIB],
 )
-def test_pieces_never_exceed_chunk_bytes(name: str, chunk_bytes: int) -> None:
+def test_chunks_never_exceed_chunk_bytes(name: str, chunk_bytes: int) -> None:
     plan = PartitionPlan.build(model_keys(name), num_shards=3, chunk_bytes=chunk_bytes)
-    assert plan.piece_bytes <= chunk_bytes and plan.piece_bytes % 4 == 0
-    assert plan.chunk_bytes == plan.to_proto().chunk_bytes == chunk_bytes  # the wire carries the request
-    assert all(4 * c.numel <= plan.piece_bytes for c in plan.chunks)
-    if chunk_bytes <= MIN_PIECE_BYTES:
-        assert plan.piece_bytes == chunk_bytes  # a small request is honoured as is
+    assert plan.chunk_bytes == plan.to_proto().chunk_bytes == chunk_bytes
+    assert all(4 * c.numel <= chunk_bytes for c in plan.chunks)
+    per_key = {}
+    for c in plan.chunks:  # a key's chunks tile it: consecutive offsets, nothing missing, nothing twice
+        assert c.offset == per_key.get(c.key, 0), c
+        per_key[c.key] = c.offset + c.numel
+    assert per_key == {k.key: k.numel for k in model_keys(name) if k.numel}
+    assert spread(plan) <= 0.10
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 4])
@@ -215,31 +227,34 @@ def test_big_model_keeps_the_requested_chunk(num_shards: int) -> None:
     keys = [KeyInfo(f"layer{i}.weight", (1024, 1024), 0) for i in range(15)] + [KeyInfo("head", (1 << 20,), 0)]
     assert 4 * sum(k.numel for k in keys) == 64 << 20
     plan = PartitionPlan.build(keys, num_shards=num_shards, chunk_bytes=1 << 20)
-    assert plan.piece_bytes == 1 << 20 and len(plan.chunks) == 64
+    assert len(plan.chunks) == 64 and all(4 * c.numel == 1 << 20 for c in plan.chunks)
     assert loads(plan) == [(64 << 20) // num_shards] * num_shards
 
 
-def test_piece_bytes_rule() -> None:
-    assert piece_bytes_for(0, 1, 1 << 20) == MIN_PIECE_BYTES
-    assert piece_bytes_for(10 * KIB, 4, 256) == 256  # below the floor: the request wins
-    assert piece_bytes_for(64 * KIB * 3, 3, 1 << 20) == 4 * KIB  # just at num_shards x 64 KiB
-    assert piece_bytes_for(1_000_003, 2, 1 << 20) == 31_248  # 1_000_003 // 32 == 31_250, rounded down to 4
-    assert piece_bytes_for(1 << 40, 2, 1 << 20) == 1 << 20
+def test_tiny_models_and_empty_shards() -> None:
+    """Fewer elements than shards: every element lands somewhere once, the loads stay within one element."""
+    plan = PartitionPlan.build([KeyInfo("w", (2,), 0)], num_shards=4, chunk_bytes=1 << 20)
+    assert sorted((c.offset, c.numel) for c in plan.chunks) == [(0, 1), (1, 1)]
+    assert max(plan.shard_bytes()) == 4 and sum(plan.shard_bytes()) == 8
+    plan = PartitionPlan.build([KeyInfo("w", (0,), 0), KeyInfo("v", (5,), 0)], num_shards=2, chunk_bytes=16)
+    assert [c.key for c in plan.chunks] == ["v", "v"] and plan.shard_bytes() == [12, 8]
 
 
-def test_buffers_are_cut_into_pieces_and_counted() -> None:
+def test_buffers_fill_the_quotas_too() -> None:
     keys = [KeyInfo("w", (50_000,), 0)]  # 200,000 bytes
     buffers = [BufferInfo("running_mean", (30_000,), pb.FLOAT64), BufferInfo("steps", (4_000,), pb.INT8)]
     plan = PartitionPlan.build(keys, num_shards=2, chunk_bytes=1 << 20, buffers=buffers)
-    assert plan.piece_bytes == piece_bytes_for(200_000 + 240_000 + 4_000, 2, 1 << 20) == 13_872
-    assert all(c.numel * BUFFER_ITEMSIZE[c.dtype] <= plan.piece_bytes for c in plan.buffer_chunks)
     assert sum(c.numel for c in plan.buffer_chunks if c.key == "running_mean") == 30_000
-    load = loads(plan)
-    assert sum(load) == 444_000 and max(load) - min(load) <= plan.piece_bytes
+    assert {c.shard for c in plan.chunks} == {0} and {c.shard for c in plan.buffer_chunks} == {0, 1}
+    assert loads(plan) == [222_000, 222_000]
+    small = PartitionPlan.build(keys, num_shards=2, chunk_bytes=4096, buffers=buffers)
+    assert all(c.numel * BUFFER_ITEMSIZE[c.dtype] <= 4096 for c in small.buffer_chunks)
+    arena = [c for c in small.buffer_chunks if c.shard == 1]
+    assert all(c.shard_offset % 8 == 0 for c in arena)  # the arena keeps 8-byte alignment
 
 
 def test_plan_format_is_in_the_fingerprint(monkeypatch) -> None:
-    assert PLAN_FORMAT == 3
+    assert PLAN_FORMAT == 4
     new = PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint
-    monkeypatch.setattr(plan_module, "PLAN_FORMAT", 2)
+    monkeypatch.setattr(plan_module, "PLAN_FORMAT", 3)
     assert PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint != new
