@@ -1,8 +1,8 @@
 """Straggler benchmark: torch DDP vs shardps sync, ssp and async with a slow worker, one run.
 
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
-        [--base-seconds 0.02] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 2]
-        [--optimizer adamw|sgd] [--lr LR]
+        [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
+        [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR]
 
 What it measures: how much a slow worker costs each way of training with 3
 worker processes (one torch thread each) on one machine. Every step of a
@@ -67,9 +67,13 @@ The data: inputs ~ N(0, 1); labels are the argmax of a fixed random
 Optimizer: AdamW (torch defaults, lr 3e-3; 1e-3 for ``wide``) by default,
 as in ``benchmarks/train.py``; ``--optimizer sgd`` is SGD with momentum 0.9
 (lr 0.05). Each default lr is the one of a small grid (AdamW 1e-4 .. 5e-3,
-SGD 0.01 .. 0.1) that gave ddp/sync the lowest final loss at the default sizes;
-async and ssp use the same lr, as they would if the job switched modes.
-Each async/ssp push is one optimizer step on 32 samples (sync: one step on
+SGD 0.01 .. 0.1) that gave ddp/sync the lowest final loss (chosen with 20 ms
+of simulated compute; the losses do not depend on it); async and ssp use the
+same lr, as they would if the job switched modes, divided by each push's
+staleness on the shards (``scale_lr_by_staleness``, Zhang et al.,
+"Staleness-aware Async-SGD", IJCAI 2016; ``--no-scale-lr-by-staleness``
+turns it off: final losses 1.08-1.09x ddp's instead of 0.98-1.06x in runs at
+20 ms). Each async/ssp push is one optimizer step on 32 samples (sync: one step on
 the 96 averaged), and it is computed from parameters ~2 updates old; with
 SGD + momentum 0.9 that staleness acts as extra momentum (Mitliagkas et
 al., "Asynchrony begets momentum", 2016): in a serial simulation of this
@@ -90,8 +94,11 @@ Reading the figures: async and ssp can only beat ddp when the time a step
 waits for a straggler is larger than what a shardps step costs more than a
 ddp step. On a machine with few cores that cost is CPU time: compare
 ``CPU ms/step`` (shardps worker plus shards, ddp worker) with
-``--base-seconds``; raise ``--base-seconds`` to see the regime where the
-compute dominates. The async/ssp losses vary from run to run (the order in
+``--base-seconds``. The default 100 ms of simulated compute is a short
+step for a real model on an accelerator (whose compute takes no host CPU,
+like the sleep); at ``--base-seconds 0.02`` the ~25 ms of CPU that a
+shardps step costs on a 2-core machine (worker plus shards, 5 processes on
+2 cores) outweighs what a straggler delays and DDP wins. The async/ssp losses vary from run to run (the order in
 which pushes arrive is not deterministic); ddp and sync are exactly
 reproducible and equal.
 
@@ -102,6 +109,7 @@ every process and cluster is stopped on exit and on error.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import functools
@@ -694,13 +702,14 @@ def main() -> None:
                    help="adamw (default) or sgd (momentum 0.9), the same in every mode")
     p.add_argument("--lr", type=float, help="learning rate of every mode (default: adamw 3e-3, 1e-3 with "
                    "--model wide; sgd 0.05)")
-    p.add_argument("--base-seconds", type=float, default=0.02, help="simulated compute per step (default 0.02)")
+    p.add_argument("--base-seconds", type=float, default=0.1, help="simulated compute per step (default 0.1)")
     p.add_argument("--slow-factor", type=float, default=2.5, help="transient straggler's slowdown (default 2.5)")
     p.add_argument("--persistent-factor", type=float, default=2.0,
                    help="persistent straggler's (worker 2) slowdown (default 2.0)")
-    p.add_argument("--staleness", type=int, default=2, help="ssp bound s (default 2)")
-    p.add_argument("--scale-lr-by-staleness", action="store_true",
-                   help="async/ssp: the shards divide each push's lr by its staleness (Zhang et al., IJCAI 2016)")
+    p.add_argument("--staleness", type=int, default=3, help="ssp bound s (default 3)")
+    p.add_argument("--scale-lr-by-staleness", action=argparse.BooleanOptionalAction, default=True,
+                   help="async/ssp: the shards divide each push's lr by max(1, staleness) (Zhang et al., IJCAI "
+                   "2016; default on)")
     p.add_argument("--run-timeout", type=float, default=180.0,
                    help="seconds one (scenario, mode) may take before the benchmark gives up (default 180)")
     args = p.parse_args()

@@ -28,9 +28,15 @@ average). The node's contributor id is the leader's ``worker_id``: give it
 from the node's index (``torchrun``'s ``GROUP_RANK``), so a restarted node
 rejoins as the same member.
 
-The leader alone talks to the shards here; splitting the push by chunk
+The leader alone talks to the shards here. Splitting the push by chunk
 ownership over the local ranks (reduce-scatter, then an all-gather) would
-also spread the node's network traffic over its ranks; it is not built yet.
+also spread the node's network traffic over its ranks; it is not built
+yet. Since plan format 4 each shard owns one contiguous range of the flat
+fp32 parameter vector used here, so the reduce-scatter is one
+``dist.reduce`` per shard range to the rank that owns the shard and the
+all-gather one ``dist.broadcast`` per range back; what is missing is a
+``DistributedOptimizer`` that joins, pushes to and pulls from a subset of
+the shards (with clipping, its commit needs every shard's report).
 """
 
 from __future__ import annotations
