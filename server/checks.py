@@ -157,7 +157,8 @@ def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> 
     if not 1 <= len(spec.keys) <= config.max_keys:
         raise InvalidArgument(f"the plan has {len(spec.keys)} keys; this shard accepts 1 to {config.max_keys}")
     per_chunk = spec.chunk_bytes // MASTER_ITEMSIZE
-    total = chunks = 0
+    # an upper bound on the plan's chunks: each key cut at chunk_bytes, plus one per shard boundary (plan format 4)
+    total, chunks = 0, config.num_shards - 1
     for k in spec.keys:
         if not k.key or len(k.key) > MAX_KEY_CHARS:
             raise InvalidArgument(f"key {shown(k.key)} must have 1 to {MAX_KEY_CHARS} characters")

@@ -258,3 +258,18 @@ def test_plan_format_is_in_the_fingerprint(monkeypatch) -> None:
     new = PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint
     monkeypatch.setattr(plan_module, "PLAN_FORMAT", 3)
     assert PartitionPlan.build(KEYS, num_shards=2, chunk_bytes=1 << 20).fingerprint != new
+
+
+def test_the_shards_chunk_limit_bounds_the_real_plan() -> None:
+    """``--max-chunks`` counts the boundary chunks format 4 adds: a plan exactly at the limit passes, one over fails."""
+    from shardps.server import checks
+    from shardps.server.config import ShardConfig
+    from shardps.server.errors import InvalidArgument
+
+    keys = [KeyInfo("a", (10,), 0), KeyInfo("b", (10,), 0)]  # 80 bytes; 3 shards cut both keys: 4 chunks
+    plan = PartitionPlan.build(keys, num_shards=3, chunk_bytes=1 << 20)
+    assert len(plan.chunks) == 4 == len(keys) + 3 - 1
+    at_limit = ShardConfig(shard_index=0, num_shards=3, max_chunks=len(plan.chunks))
+    assert checks.check_plan_spec(plan.to_proto(), 1, at_limit) > 0
+    with pytest.raises(InvalidArgument, match="more than 3 chunks"):
+        checks.check_plan_spec(plan.to_proto(), 1, ShardConfig(shard_index=0, num_shards=3, max_chunks=3))
