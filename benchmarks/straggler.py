@@ -2,7 +2,7 @@
 
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
         [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
-        [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR]
+        [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR] [--async-lr LR] [--ssp-lr LR]
 
 What it measures: how much a slow worker costs each way of training with 3
 worker processes (one torch thread each) on one machine. Every step of a
@@ -68,8 +68,13 @@ Optimizer: AdamW (torch defaults, lr 3e-3; 1e-3 for ``wide``) by default,
 as in ``benchmarks/train.py``; ``--optimizer sgd`` is SGD with momentum 0.9
 (lr 0.05). Each default lr is the one of a small grid (AdamW 1e-4 .. 5e-3,
 SGD 0.01 .. 0.1) that gave ddp/sync the lowest final loss (chosen with 20 ms
-of simulated compute; the losses do not depend on it); async and ssp use the
-same lr, as they would if the job switched modes, divided by each push's
+of simulated compute; the losses do not depend on it). async and ssp get
+their own lr, as one tunes each method when comparing them (``--async-lr``,
+``--ssp-lr``): with AdamW on the MLP, async 4e-3 and ssp 2e-3, the best final
+loss of each in the transient scenario over the grid 1e-3, 1.5e-3, 2e-3,
+3e-3, 4e-3, 5e-3 (one run each at the default sizes; run to run, an async
+loss moves by about 0.01-0.02 with the order in which pushes land); other
+optimizers and models use ``--lr``. That lr is divided by each push's
 staleness on the shards (``scale_lr_by_staleness``, Zhang et al.,
 "Staleness-aware Async-SGD", IJCAI 2016; ``--no-scale-lr-by-staleness``
 turns it off: final losses 1.08-1.09x ddp's instead of 0.98-1.06x in runs at
@@ -143,6 +148,8 @@ EVAL_SAMPLES = 4096
 MOMENTUM = 0.9
 #: default lr of each (--optimizer, --model): the best for ddp/sync of a small grid (see the module docstring)
 DEFAULT_LR = {("adamw", "mlp"): 3e-3, ("adamw", "wide"): 1e-3, ("sgd", "mlp"): 0.05, ("sgd", "wide"): 0.05}
+#: async and ssp lr of (--optimizer, --model) where tuned on a grid (see the module docstring); else --lr
+DEFAULT_STALE_LR = {("adamw", "mlp"): {"async": 4e-3, "ssp": 2e-3}}
 OPTIMIZERS = ("adamw", "sgd")
 SEED = 2024
 SCENARIOS = ("transient", "persistent")
@@ -571,7 +578,8 @@ def run_one(workers: Workers, clusters: Clusters, args: Any, scenario: str, mode
     """One (scenario, mode) on a fresh cluster (shardps modes); also starts a later shardps run's cluster."""
     budget = WORKERS * args.steps
     task = {"scenario": scenario, "mode": mode, "steps": args.steps, "budget": budget, "batch_size": args.batch_size,
-            "model": args.model, "optimizer": args.optimizer, "lr": args.lr, "base_seconds": args.base_seconds,
+            "model": args.model, "optimizer": args.optimizer,
+            "lr": {"async": args.async_lr, "ssp": args.ssp_lr}.get(mode, args.lr), "base_seconds": args.base_seconds,
             "slow_factor": args.slow_factor, "persistent_factor": args.persistent_factor, "staleness": args.staleness,
             "scale_lr": args.scale_lr_by_staleness, "draws": straggler_draws(budget)}
     began = time.monotonic()
@@ -702,6 +710,9 @@ def main() -> None:
                    help="adamw (default) or sgd (momentum 0.9), the same in every mode")
     p.add_argument("--lr", type=float, help="learning rate of every mode (default: adamw 3e-3, 1e-3 with "
                    "--model wide; sgd 0.05)")
+    p.add_argument("--async-lr", type=float, help="learning rate of async (default: adamw mlp 4e-3, else --lr; "
+                   "see the module docstring)")
+    p.add_argument("--ssp-lr", type=float, help="learning rate of ssp (default: adamw mlp 2e-3, else --lr)")
     p.add_argument("--base-seconds", type=float, default=0.1, help="simulated compute per step (default 0.1)")
     p.add_argument("--slow-factor", type=float, default=2.5, help="transient straggler's slowdown (default 2.5)")
     p.add_argument("--persistent-factor", type=float, default=2.0,
@@ -715,6 +726,11 @@ def main() -> None:
     args = p.parse_args()
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer, args.model]
+    tuned = args.lr == DEFAULT_LR[args.optimizer, args.model] and (args.optimizer, args.model) in DEFAULT_STALE_LR
+    if args.async_lr is None:
+        args.async_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["async"] if tuned else args.lr
+    if args.ssp_lr is None:
+        args.ssp_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["ssp"] if tuned else args.lr
     if args.steps < 1 or args.batch_size < 1 or args.staleness < 0 or args.base_seconds < 0:
         p.error("--steps and --batch-size must be >= 1, --staleness and --base-seconds >= 0")
     params = sum(q.numel() for q in make_model(args.model).parameters())
@@ -723,7 +739,7 @@ def main() -> None:
           f"{args.batch_size} samples per worker ({WORKERS * args.steps * args.batch_size} samples per mode), "
           f"base {args.base_seconds * 1e3:.0f} ms/step, transient x{args.slow_factor}, "
           f"persistent worker {PERSISTENT_STRAGGLER} x{args.persistent_factor}, ssp s={args.staleness}, "
-          f"{args.optimizer} lr {args.lr}, initial loss {initial_loss:.4f}", flush=True)
+          f"{args.optimizer} lr {args.lr} (ssp {args.ssp_lr}, async {args.async_lr}), initial loss {initial_loss:.4f}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # clean up below on SIGTERM too
     began = time.monotonic()
     results: dict[str, dict] = {}
@@ -754,7 +770,7 @@ def main() -> None:
     out = {
         "config": {"model": args.model, "params": params, "workers": WORKERS, "shards": SHARDS, "steps": args.steps,
                    "batch_size": args.batch_size, "budget_batches": WORKERS * args.steps,
-                   "optimizer": args.optimizer, "lr": args.lr,
+                   "optimizer": args.optimizer, "lr": args.lr, "async_lr": args.async_lr, "ssp_lr": args.ssp_lr,
                    "momentum": MOMENTUM if args.optimizer == "sgd" else None,
                    "base_seconds": args.base_seconds, "slow_factor": args.slow_factor,
                    "persistent_factor": args.persistent_factor, "persistent_straggler": PERSISTENT_STRAGGLER,

@@ -19,10 +19,12 @@ Systems (``--systems``, all by default):
   (2 contributors per round); pulls overlap the next forward (``model=``);
 - shardps_node (1 node x 2 local ranks, reduction within the node): the same
   2 shards, but both processes are local ranks of one node in one Gloo
-  process group (``shardps.worker.node.NodeOptimizer``): ``dist.reduce``
-  averages the gradients on local rank 0, which alone pushes and pulls as
+  process group (``shardps.worker.node.NodeOptimizer``), by chunk
+  ownership: one ``dist.reduce`` per shard range averages it on the local
+  rank that owns the shard, each rank pushes and pulls its own shard as
   the single contributor ``node0`` (shards started with ``min_workers=1``),
-  then broadcasts the parameters; no overlapped pull;
+  then one ``dist.broadcast`` per range gives every rank the whole model;
+  no overlapped pull;
 - ddp: DistributedDataParallel over Gloo (``gradient_as_bucket_view=True``),
   AdamW on every process;
 - zero: the same DDP + ZeroRedundancyOptimizer(AdamW) (ZeRO stage 1,

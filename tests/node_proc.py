@@ -3,10 +3,16 @@
 Process ``i`` is local rank ``i % 2`` of node ``i // 2``; each node has its
 own process group (Gloo on CPU, NCCL on CUDA) and joins the shards as one
 contributor ``node<n>``. Each rank trains on its quarter of the global batch
-and saves its final parameters to ``<out>/<optimizer>-<i>.pt``.
+and saves its final parameters to ``<out>/<name>-<i>.pt`` and the bytes it
+pushed to each shard in its last step to ``<out>/<name>-<i>.pushed.json``. A
+name ``<optimizer>:leader`` runs the leader path (``split=False``).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -29,9 +35,9 @@ def run(i: int, servers: dict[str, str], out: str, device: str) -> None:
         part = slice(i * per, (i + 1) * per)
         for name, address in servers.items():
             model = make_model().to(device)
-            opt, sched = make_optimizer(name, model)
+            opt, sched = make_optimizer(name.split(":")[0], model)
             with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
-                               chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0) as node_opt:
+                               chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, split=not name.endswith(":leader")) as node_opt:
                 for step in range(STEPS):
                     node_opt.zero_grad()
                     xb, yb = x[step, part].to(device), y[step, part].to(device)
@@ -40,6 +46,8 @@ def run(i: int, servers: dict[str, str], out: str, device: str) -> None:
                     sched.step()
                 assert node_opt.version == STEPS, node_opt.version
                 assert not opt.state, "the local optimizer must never allocate state"
+                with open(f"{out}/{name}-{i}.pushed.json", "w") as f:
+                    json.dump(node_opt.last_pushed_bytes, f)
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out}/{name}-{i}.pt")
     finally:
         dist.destroy_process_group()
@@ -50,15 +58,63 @@ def leader_fails(i: int, dead_server: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/failing.rendezvous", rank=i, world_size=2)
     try:
+        _construct(f"{out}/failing-{i}.txt", servers=dead_server, connect_timeout=1.0, retry_seconds=1.0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _construct(path: str, **kwargs) -> None:
+    """Build a NodeOptimizer expected to fail; write ``"constructed"`` or ``"<error type>: <message>"`` to ``path``."""
+    model = make_model()
+    opt, _ = make_optimizer("adamw", model)
+    try:
+        NodeOptimizer(opt, model.named_parameters(), node_id="node0", **kwargs)
+        outcome = "constructed"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(path, "w") as f:
+        f.write(outcome)
+
+
+def shard_dies(i: int, address: str, shard_pid: int, out: str) -> None:
+    """Local rank ``i`` of one split node whose shard 1 (owned by local rank 1) is SIGKILLed after two steps.
+
+    Writes ``<out>/dies-<i>.txt``: each outcome of the two steps after the kill
+    (both must raise on every rank, none may wait for the other).
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/dies.rendezvous", rank=i, world_size=2)
+    outcomes = []
+    try:
         model = make_model()
         opt, _ = make_optimizer("adamw", model)
-        try:
-            NodeOptimizer(opt, model.named_parameters(), servers=dead_server, node_id="node0", connect_timeout=1.0,
-                          retry_seconds=1.0)
-            outcome = "constructed"
-        except Exception as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        with open(f"{out}/failing-{i}.txt", "w") as f:
-            f.write(outcome)
+        x, y = data()
+        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
+                                 chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=2.0)
+        for step in range(4):
+            if step == 2:
+                dist.barrier()
+                if i == 1:
+                    os.kill(shard_pid, signal.SIGKILL)
+                dist.barrier()
+            node_opt.zero_grad()
+            nn.functional.cross_entropy(model(x[step, i * 6:(i + 1) * 6]), y[step, i * 6:(i + 1) * 6]).backward()
+            try:
+                node_opt.step()
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        node_opt.close()
+    finally:
+        with open(f"{out}/dies-{i}.txt", "w") as f:
+            f.write("\n".join(outcomes))
+        dist.destroy_process_group()
+
+
+def split_with_clipping(i: int, out: str) -> None:
+    """A one-rank node asked for split=True with max_grad_norm: refused before touching any shard."""
+    dist.init_process_group("gloo", init_method=f"file://{out}/clip.rendezvous", rank=0, world_size=1)
+    try:
+        _construct(f"{out}/clip.txt", servers="127.0.0.1:1", split=True, max_grad_norm=1.0)
     finally:
         dist.destroy_process_group()

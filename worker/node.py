@@ -9,45 +9,63 @@ only then does the node talk to the shards, so the shards see one push per
 node instead of one per process and the bytes sent to them per step divide
 by the number of local ranks.
 
-How a step runs (:meth:`NodeOptimizer.step`):
+How a step runs (:meth:`NodeOptimizer.step`), by chunk ownership (the default):
 
-1. every local rank flattens its gradients into one fp32 vector (plus a
-   presence mask: a parameter whose gradient is None on every local rank is
-   left out, as torch.optim does);
-2. ``dist.reduce`` sums them on the node leader (local rank 0), which
-   divides by the number of local ranks: the node's average gradient;
-3. the leader, a member of the job like any worker, pushes it and pulls the
-   new parameters (``DistributedOptimizer``, any mode);
-4. ``dist.broadcast`` sends the parameters and buffers from the leader to
-   every local rank, with a status word first so that a failure on the
-   leader raises on every rank instead of leaving them waiting.
+1. every local rank flattens its gradients into one fp32 vector in plan order
+   (plus a presence mask, all-reduced: a parameter whose gradient is None on
+   every local rank is left out, as torch.optim does);
+2. reduce-scatter along the partition plan: shard ``s`` holds one contiguous
+   range of that vector (plan format 4) and is owned by local rank
+   ``s % L``; one ``dist.reduce`` per shard sums its range on its owner,
+   which divides by ``L``: the node's average gradient, each range on one rank;
+3. the leader broadcasts the round (each shard's version and the trailer:
+   learning rates, hyperparameters, absent keys), and its buffers so that
+   every owner pushes the leader's, as a lone leader would;
+4. every local rank pushes its shards' ranges to them and pulls them back
+   (``shardps.worker.shares``), all ranks at once, with the node's one
+   member id and session: the shards see one contributor per node;
+5. all-gather: one ``dist.broadcast`` per shard range from its owner, and
+   the buffers' chunks likewise, so every rank holds the whole new model.
 
-In sync mode with equal local batches the result is exactly single-process
+The leader (local rank 0) alone joins the shards, heartbeats, and rejoins a
+shard that restarted (between steps; it then broadcasts its whole state).
+A push that fails on any rank raises on every rank, naming the rank, the
+shard and its error; a shard that restarted or dropped the connection is
+rejoined by the leader at the next step, as ``DistributedOptimizer`` does.
+
+With ``max_grad_norm`` the round's clipping needs every shard's report
+before any shard applies it, so ownership would have to exchange reports
+across ranks in the middle of a round: the node then runs the leader path
+instead (``split=False``): ``dist.reduce`` of the whole vector to the
+leader, which pushes and pulls every shard as a ``DistributedOptimizer``,
+then ``dist.broadcast`` of the parameters and buffers.
+
+In sync mode with equal local batches both paths are exactly single-process
 training on the whole global batch (the average of node averages is the
 average). The node's contributor id is the leader's ``worker_id``: give it
 from the node's index (``torchrun``'s ``GROUP_RANK``), so a restarted node
 rejoins as the same member.
-
-The leader alone talks to the shards here. Splitting the push by chunk
-ownership over the local ranks (reduce-scatter, then an all-gather) would
-also spread the node's network traffic over its ranks; it is not built
-yet. Since plan format 4 each shard owns one contiguous range of the flat
-fp32 parameter vector used here, so the reduce-scatter is one
-``dist.reduce`` per shard range to the rank that owns the shard and the
-all-gather one ``dist.broadcast`` per range back; what is missing is a
-``DistributedOptimizer`` that joins, pushes to and pulls from a subset of
-the shards (with clipping, its commit needs every shard's report).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 
+import grpc
 import torch
 import torch.distributed as dist
 
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.plan import PartitionPlan
+from shardps.worker.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
+from shardps.worker.retry import RetryPolicy
+from shardps.worker.shares import NodeSession, ShardShare, owner, shard_segments
+
+#: Failed pushes after which the leader rejoins the shard before the next step (it may have restarted).
+_REJOIN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED})
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +89,27 @@ class NodeOptimizer:
             initialised by the caller (``torch.distributed.init_process_group`` or
             ``new_subgroups``). Its rank 0 is the leader.
         named_buffers: buffers to keep equal on every rank and on the shards
-            (``model.named_buffers()``), broadcast from the leader after each step.
+            (``model.named_buffers()``): the leader's are pushed, and every rank
+            holds the pulled ones after each step.
+        split: push and pull by chunk ownership, every local rank its own shards
+            (default: True unless ``max_grad_norm`` is given, which needs the
+            leader path; see the module docstring). False: the leader alone.
         **kwargs: passed to the leader's :class:`DistributedOptimizer` (``mode``,
             ``staleness``, ``chunk_bytes``, wire dtypes, ``max_grad_norm``, timeouts...).
             ``model`` (overlapped pulls), ``grad_scaler`` and ``push_during_backward``
             are not supported here: the node pushes at ``step()``.
 
     Raises:
-        ValueError: unsupported arguments, parameters on several devices.
-        RuntimeError: the leader failed to join the shards (raised on every rank).
+        ValueError: unsupported arguments, parameters on several devices,
+            ``split=True`` with ``max_grad_norm``.
+        RuntimeError: the leader failed to join the shards, or a rank could not reach
+            its shards (raised on every rank).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]], *,
                  servers: list[str] | str, node_id: str, group: dist.ProcessGroup | None = None,
-                 named_buffers: Iterable[tuple[str, torch.Tensor]] = (), **kwargs) -> None:
+                 named_buffers: Iterable[tuple[str, torch.Tensor]] = (), split: bool | None = None,
+                 **kwargs) -> None:
         for name in ("model", "grad_scaler", "push_during_backward"):
             if name in kwargs:
                 raise ValueError(f"NodeOptimizer does not take {name}=: the node pushes at step() (see its docstring)")
@@ -98,11 +123,24 @@ class NodeOptimizer:
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._params = [p for _, p in named if id(p) in in_optimizer]
         self._buffers = [b for _, b in named_buffers]
+        self._named_buffers = named_buffers
+        self._names = [name for name, p in named if id(p) in in_optimizer]
+        self._starts = [0, *itertools.accumulate(p.numel() for p in self._params)]
+        self._numel = self._starts.pop()
+        self._grad_buffer: torch.Tensor | None = None  # reused by every split step (_flat_grads)
+        self._param_buffer: torch.Tensor | None = None  # reused by every split step (_gather_shares)
         devices = {t.device for t in (*self._params, *self._buffers)}
         if len(devices) != 1:
             raise ValueError(f"parameters and buffers must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self._optimizer = optimizer
+        clipping = kwargs.get("max_grad_norm") is not None
+        if split and clipping:
+            raise ValueError("split=True cannot clip (max_grad_norm needs every shard's report before any shard "
+                             "applies the round): leave split unset, or pass split=False")
+        self.split = not clipping if split is None else split
+        self._share: ShardShare | None = None
+        self._failure: BaseException | None = None
         self.inner: DistributedOptimizer | None = None
         error = ""
         if self.rank == 0:
@@ -118,6 +156,56 @@ class NodeOptimizer:
         self._status(error)
         self._resumed = self.version > 0
         self._broadcast_state()
+        if self.split:
+            self._setup_share(named, named_buffers, servers if not isinstance(servers, str) else
+                              [a for a in servers.split(",") if a], kwargs)
+
+    def _setup_share(self, named: list, named_buffers: list, servers: list[str], kwargs: dict) -> None:
+        """The leader hands out the node's session; each rank connects to the shards it owns."""
+        box = [None]
+        if self.rank == 0:
+            inner = self.inner
+            box[0] = NodeSession(inner.worker_id, inner.session, inner.plan.to_proto().SerializeToString(),
+                                 inner._pull_code, inner._push_dtype, inner._checksum)
+        dist.broadcast_object_list(box, src=self._leader, group=self.group)
+        node: NodeSession = box[0]
+        plan = PartitionPlan.from_proto(pb.PlanSpec.FromString(node.plan))
+        self._segments = shard_segments(plan)
+        self._buffer_chunks = list(plan.buffer_chunks)
+        owned = [s for s in range(plan.num_shards) if owner(s, self.size) == self.rank]
+        error, failure = "", None
+        try:
+            if self.rank == 0:
+                clients = {s: self.inner._clients[s] for s in owned}
+            else:
+                retry = RetryPolicy(total_seconds=kwargs.get("retry_seconds", 60.0))
+                clients = {s: ShardClient(servers[s], index=s, rpc_timeout=kwargs.get("rpc_timeout", 120.0),
+                                          connect_timeout=kwargs.get("connect_timeout", 30.0), retry=retry,
+                                          security=kwargs.get("security"),
+                                          **({"max_message_bytes": kwargs["max_message_bytes"]}
+                                             if "max_message_bytes" in kwargs else {}))
+                           for s in owned}
+            params = {name: p for name, p in named if name in {k.key for k in plan.keys}}
+            buffers = dict(named_buffers)
+            self._share = ShardShare(node, plan, clients, params, buffers, kwargs.get("rpc_timeout", 120.0))
+        except Exception as exc:  # told to every rank below
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+        errors = self._agree(error)
+        if errors:
+            self.close()
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"a local rank could not reach its shards: {'; '.join(errors)}")
+
+    def _agree(self, error: str) -> list[str]:
+        """Every rank's error (``""``: none), on every rank: one all-reduce, the messages only after a failure."""
+        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            return []
+        errors: list = [None] * self.size
+        dist.all_gather_object(errors, error, group=self.group)
+        return [f"local rank {r}: {e}" for r, e in enumerate(errors) if e]
 
     def _status(self, error: str) -> None:
         """Leader -> every rank: 0 (ok) or 1 (failed), then the version; raises on the others if failed."""
@@ -155,11 +243,11 @@ class NodeOptimizer:
             RuntimeError: the leader's push or pull failed (raised on every rank; the
                 leader raises the shard's error itself).
         """
+        if self.split:
+            self._step_split()
+            return
         with torch.no_grad():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
-            present = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32,
-                                   device=self.device)
+            flat, present = self._flat_grads()
             dist.reduce(flat, dst=self._leader, op=dist.ReduceOp.SUM, group=self.group)
             dist.reduce(present, dst=self._leader, op=dist.ReduceOp.MAX, group=self.group)
             error = ""
@@ -179,6 +267,136 @@ class NodeOptimizer:
         self._status(error)
         self._broadcast_state()
 
+    def _flat_grads(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's gradients as one fp32 vector in plan order (zeros where None), and 1.0 where present.
+
+        ``out``: a float32 buffer of the total numel to write into (reused every step: a fresh
+        one per step costs a page fault per 4 KiB).
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads], out=out)
+        present = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32, device=self.device)
+        return flat, present
+
+    def _begin_round(self, absent: list[int]) -> tuple[str, list[int], bytes, bool]:
+        """Leader: rejoin restarted shards, then the round every rank pushes.
+
+        Returns:
+            ``(error, versions, trailer, resync)``: ``""`` or what failed (the exception
+            is kept in ``self._failure``), each shard's version, the serialised
+            ``RoundTrailer``, and whether a rejoined shard's partition must be broadcast.
+        """
+        inner = self.inner
+        try:
+            resync = bool(inner._recovery.restarted)
+            inner._finish_pull()  # rejoins the shards the heartbeats found restarted (pulls them into the model)
+            if inner._diverged or inner._leases.lost:
+                raise RuntimeError(inner._diverged or inner._leases.lost)
+            trailer = inner._trailer(inner._round_lrs(), absent)
+            return "", list(inner.versions), trailer.SerializeToString(), resync
+        except Exception as exc:
+            self._failure = exc
+            return f"{type(exc).__name__}: {exc}", [], b"", False
+
+    def _step_split(self) -> None:
+        """:meth:`step` by chunk ownership (module docstring, steps 1-5)."""
+        with torch.no_grad():
+            if self._grad_buffer is None:
+                self._grad_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
+            flat, present = self._flat_grads(out=self._grad_buffer)
+            dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+            for s, segments in enumerate(self._segments):
+                dst = self._global(owner(s, self.size))
+                for a, n in segments:
+                    dist.reduce(flat.narrow(0, a, n), dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+            flat /= self.size
+            absent_index = [i for i, has in enumerate(present.tolist()) if not has]
+            box = [self._begin_round(absent_index) if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=self._leader, group=self.group)
+            error, versions, trailer, resync = box[0]
+            if error:
+                if self.rank == 0:
+                    raise self._failure
+                raise RuntimeError(f"the node leader (local rank 0) failed: {error}")
+            if resync:  # the leader rejoined a restarted shard and pulled its partition
+                self._broadcast_state()
+            for b in self._buffers:
+                dist.broadcast(b, src=self._leader, group=self.group)
+            absent = {self._names[i] for i in absent_index}
+            applied, failed = self._share.push_pull(versions, pb.RoundTrailer.FromString(trailer), flat, absent)
+            outcome = torch.zeros(len(self._segments), dtype=torch.int64, device=self.device)
+            for shard, version in applied.items():
+                outcome[shard] = version
+            for shard, _ in failed:
+                outcome[shard] = -1
+            dist.all_reduce(outcome, op=dist.ReduceOp.SUM, group=self.group)
+            received = outcome.tolist()
+            if min(received) < 0:
+                self._round_failed(received, failed)
+            if self.inner is not None:
+                self.inner.versions = received
+                self.inner.metrics.step_finished()
+            self.version = min(received)
+            self._gather_shares()
+
+    def _round_failed(self, received: list[int], failed: list[tuple[int, BaseException]]) -> None:
+        """Raise on every rank after a push failed on some; the leader marks shards to rejoin, or a divergence."""
+        mine = [(s, getattr(e, "code", None), f"{type(e).__name__}: {e}") for s, e in failed]
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, [(s, c.name if c else "", m) for s, c, m in mine], group=self.group)
+        everyone = [(r, s, code, m) for r, lst in enumerate(gathered) for s, code, m in lst]
+        if self.inner is not None:
+            applied = {s: v for s, v in enumerate(received) if v >= 0}
+            self.inner.versions = [v if v >= 0 else old for v, old in zip(received, self.inner.versions)]
+            rejoin = {s for _, s, code, _ in everyone if code in {c.name for c in _REJOIN_CODES}}
+            self.inner._recovery.restarted.update(rejoin)
+            other = [(s, m) for _, s, code, m in everyone if s not in rejoin]
+            if other and applied:
+                self.inner._diverged = (
+                    f"shard(s) {sorted(applied)} applied the round but shard {other[0][0]} failed it ({other[0][1]}): "
+                    f"the model's partitions are at different versions {self.inner.versions}; restore the job "
+                    "from a checkpoint")
+        if failed:
+            raise failed[0][1]
+        raise RuntimeError("the node's round failed on " + "; ".join(
+            f"local rank {r}, shard {s}: {m}" for r, s, _, m in everyone))
+
+    def _gather_shares(self) -> None:
+        """All-gather: every shard's range of the parameters, and its buffer chunks, from the rank that pulled them."""
+        if self._params:
+            if self._param_buffer is None:
+                self._param_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
+            flat = self._param_buffer
+            owned = [s for s in range(len(self._segments)) if owner(s, self.size) == self.rank]
+            self._copy_shards(flat, owned, into_flat=True)
+            for s, segments in enumerate(self._segments):
+                src = self._global(owner(s, self.size))
+                for a, n in segments:
+                    dist.broadcast(flat.narrow(0, a, n), src=src, group=self.group)
+            self._copy_shards(flat, [s for s in range(len(self._segments)) if s not in owned], into_flat=False)
+        buffers = dict(self._named_buffers)
+        for c in self._buffer_chunks:
+            b = buffers[c.key]
+            dist.broadcast(b.view(-1).narrow(0, c.offset, c.numel), src=self._global(owner(c.shard, self.size)),
+                           group=self.group)
+
+    def _copy_shards(self, flat: torch.Tensor, shards: list[int], into_flat: bool) -> None:
+        """Copy the parameters' elements in ``shards``' ranges into ``flat`` (or back out of it)."""
+        for s in shards:
+            for a, n in self._segments[s]:
+                for p, start in zip(self._params, self._starts):
+                    lo, hi = max(a, start), min(a + n, start + p.numel())
+                    if lo < hi:
+                        piece = p.data.view(-1)[lo - start : hi - start]
+                        if into_flat:
+                            flat[lo:hi].copy_(piece)
+                        else:
+                            piece.copy_(flat[lo:hi])
+
+    def _global(self, local: int) -> int:
+        """The global rank of local rank ``local`` of the node's group."""
+        return dist.get_global_rank(self.group, local) if self.group is not None else local
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's gradients (``torch.optim.Optimizer.zero_grad``)."""
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -186,6 +404,11 @@ class NodeOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self._optimizer.param_groups
+
+    @property
+    def last_pushed_bytes(self) -> dict[int, int]:
+        """``{shard: bytes}`` this rank pushed in its last step (by ownership: its own shards; leader path: {})."""
+        return dict(self._share.last_pushed_bytes) if self._share is not None else {}
 
     @property
     def resumed(self) -> bool:
@@ -213,6 +436,9 @@ class NodeOptimizer:
 
     def close(self) -> None:
         """The leader leaves the shards (rounds stop waiting for this node); no collective."""
+        if self._share is not None:
+            self._share.close(own_clients=self.rank != 0)
+            self._share = None
         if self.inner is not None:
             self.inner.close()
             self.inner = None

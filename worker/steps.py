@@ -86,12 +86,27 @@ class RoundSteps:
                 )
             self._enqueue(rnd, key, param.grad)
 
-    def _start_pull(self) -> None:
-        """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
+    def _round_lrs(self) -> list[float]:
+        """Each param group's learning rate now (read at every step: LR schedulers work).
+
+        Raises:
+            ValueError: a learning rate is not finite or negative.
+        """
         lrs = current_lrs(self._optimizer)
         bad = [(g, lr) for g, lr in enumerate(lrs) if not (math.isfinite(lr) and lr >= 0)]
         if bad:
             raise ValueError(f"learning rate of param group {bad[0][0]} is {bad[0][1]}; it must be finite and >= 0")
+        return lrs
+
+    def _trailer(self, lrs: list[float], absent: list[int]) -> pb.RoundTrailer:
+        """The trailer closing a round: ``lrs``, the hyperparameters changed since the last round, the absent keys
+        (indices into the plan's keys) and the clipping / loss-scale fields."""
+        return pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(), absent_keys=absent,
+                               **self._options.trailer_fields())
+
+    def _start_pull(self) -> None:
+        """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
+        lrs = self._round_lrs()
         with self._lock:
             rnd = self._open_round()
             try:
@@ -110,8 +125,7 @@ class RoundSteps:
                 flat = b.detach().to("cpu").reshape(-1).clone()  # the next forward may change it while it is sent
                 for c in self._chunks_of.get(key, ()):
                     rnd.queues[c.shard].put(("buffer", c, flat[c.offset : c.offset + c.numel]))
-            trailer = pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(),
-                                      absent_keys=absent, **self._options.trailer_fields())
+            trailer = self._trailer(lrs, absent)
             rnd.closed_at = time.perf_counter()
             for q in rnd.queues:
                 q.put(("trailer", trailer))

@@ -1,15 +1,20 @@
 """Reduction within a node first: 2 nodes x 2 local ranks equal single-process training (sync mode).
 
 Each node's two local ranks average their gradients with torch.distributed
-(Gloo on CPU, NCCL on CUDA) and the node leader pushes one contribution; the
-shards average the two nodes. With equal quarter batches that is the mean
-gradient of the whole batch, so after 20 steps every rank's parameters must
-equal one process training on the whole batch within 1e-5, with AdamW and
-with SGD (Nesterov momentum), both with two param groups and an LR scheduler.
+(Gloo on CPU, NCCL on CUDA) and push as one contributor: by chunk ownership
+(the default; each local rank pushes and pulls the shard it owns, checked
+from the bytes each rank pushed) and by the leader alone (``split=False``).
+The shards average the two nodes. With equal quarter batches that is the
+mean gradient of the whole batch, so after 20 steps every rank's parameters
+must equal one process training on the whole batch within 1e-5, with AdamW
+and with SGD (Nesterov momentum), both with two param groups and an LR
+scheduler. Failures: a leader that cannot join, a shard SIGKILLed under a
+split node, split with clipping.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,7 @@ from shardps.worker.client import ShardClient
 from tests import node_proc
 from tests.integration.test_sync_oracle import STEPS, make_model, train_single
 
-NAMES = ("adamw", "sgd_nesterov")
+NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
 
 
 def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
@@ -29,7 +34,7 @@ def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
                        nprocs=4, join=True, start_method="spawn")
     initial = make_model()
     for name, cluster in clusters.items():
-        expected = train_single(name)
+        expected = train_single(name.split(":")[0])
         for i in range(4):
             got = torch.load(tmp_path / f"{name}-{i}.pt")
             for (key, want), init in zip(expected.named_parameters(), initial.parameters()):
@@ -43,6 +48,13 @@ def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
             # one contributor per node: 2 pushes per round, never 4
             assert stats.version == STEPS and stats.contributions_applied == 2 * STEPS
             assert stats.last_round_contributors == 2 and list(stats.members) == []
+        # by chunk ownership each local rank pushes only its own shard (shard s: local rank s % 2)
+        for i in range(4):
+            pushed = json.loads((tmp_path / f"{name}-{i}.pushed.json").read_text())
+            if name.endswith(":leader"):
+                assert pushed == {}, pushed
+            else:
+                assert list(pushed) == [str(i % 2)] and pushed[str(i % 2)] > 0, (name, i, pushed)
 
 
 def test_two_nodes_of_two_local_ranks_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
@@ -69,3 +81,28 @@ def test_a_leader_that_cannot_join_fails_every_local_rank(tmp_path: Path) -> Non
     other = (tmp_path / "failing-1.txt").read_text()
     assert leader.startswith(("ConnectionError", "ShardRpcError")) and dead in leader, leader
     assert other.startswith("RuntimeError: the node leader (local rank 0) failed"), other
+
+
+def test_a_shard_killed_under_a_split_node_fails_every_local_rank(start_cluster, tmp_path: Path) -> None:
+    """SIGKILL the shard owned by local rank 1: the next step raises on both ranks (naming rank and shard), and so
+    does the one after (the leader cannot rejoin a dead shard within its 2 s retry budget); nobody waits forever."""
+    cluster = start_cluster(2, min_workers=1)
+    pid = cluster.processes[1].pid
+    mp.start_processes(node_proc.shard_dies, args=(cluster.servers, pid, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    leader = (tmp_path / "dies-0.txt").read_text().splitlines()
+    other = (tmp_path / "dies-1.txt").read_text().splitlines()
+    assert leader[:2] == ["ok", "ok"] and other[:2] == ["ok", "ok"], (leader, other)
+    assert other[2].startswith("ShardRpcError: shard 1") and "UNAVAILABLE" in other[2], other
+    assert leader[2].startswith("RuntimeError: the node's round failed on local rank 1, shard 1"), leader
+    assert "UNAVAILABLE" in leader[2], leader
+    assert leader[3].startswith("ShardRpcError: shard 1") and other[3].startswith(
+        "RuntimeError: the node leader (local rank 0) failed: ShardRpcError: shard 1"), (leader, other)
+
+
+def test_split_refuses_clipping(tmp_path: Path) -> None:
+    """max_grad_norm needs every shard's report before any applies the round: split=True with it is refused."""
+    mp.start_processes(node_proc.split_with_clipping, args=(str(tmp_path),), nprocs=1, join=True,
+                       start_method="spawn")
+    outcome = (tmp_path / "clip.txt").read_text()
+    assert outcome.startswith("ValueError: split=True cannot clip"), outcome

@@ -1,0 +1,151 @@
+"""A local rank's share of its node's round: the shards it owns, pushed and pulled with the node's session.
+
+Reduction within a node by chunk ownership (after BytePS, Jiang et al.,
+OSDI 2020, which splits each tensor's partitions over the local GPUs for
+the reduction within the machine): shard ``s`` of the partition plan is *owned* by local rank
+``s % L`` of a node with ``L`` local ranks. Since plan format 4 a shard
+holds one contiguous range of the flat fp32 vector of the plan's keys (in
+plan order), so the node's reduce-scatter is one ``dist.reduce`` of that
+range to its owner per shard, and the all-gather one ``dist.broadcast``
+of the range back from its owner (``worker/node.py`` runs the collectives).
+
+To the shards the node is still one contributor: the leader (local rank 0)
+joins every shard, holds the leases and the rejoin logic, and hands the
+other local ranks its worker id and session, with which they push their
+shards' chunks and pull them back (:class:`ShardShare`). Each shard sees
+one stream per round from that member, as from a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto.plan import Chunk, PartitionPlan
+from shardps.worker.client import ShardClient
+from shardps.worker.rounds import ParameterSink, Round, push_requests
+
+
+def owner(shard: int, local_ranks: int) -> int:
+    """The local rank (0-based, within the node) that pushes and pulls shard ``shard``."""
+    return shard % local_ranks
+
+
+def shard_segments(plan: PartitionPlan) -> list[list[tuple[int, int]]]:
+    """Each shard's ranges ``(start, length)`` (elements) of the flat vector of the plan's keys.
+
+    The flat vector is every key's parameter flattened and laid end to end in
+    plan order (``torch.cat([p.reshape(-1) for p in params])``). Touching
+    chunks are merged: under plan format 4 each shard has one range (or none).
+    """
+    start, at = {}, 0
+    for k in plan.keys:
+        start[k.key] = at
+        at += k.numel
+    segments: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_shards)]
+    for c in plan.chunks:
+        a = start[c.key] + c.offset
+        runs = segments[c.shard]
+        if runs and runs[-1][0] + runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], runs[-1][1] + c.numel)
+        else:
+            runs.append((a, c.numel))
+    return segments
+
+
+@dataclass(frozen=True)
+class NodeSession:
+    """What the leader hands every local rank so that they push as the node (sent once, at construction).
+
+    Attributes:
+        worker_id, session: the node's member id and the leader's session token.
+        plan: the job's partition plan, serialised (``pb.PlanSpec`` bytes).
+        pull_dtype: the wire code of pulled parameters (``shardps.proto.codec.wire_dtype``).
+        push_dtype: the torch dtype gradients are sent in.
+        checksum: CRC-32 on every gradient chunk.
+    """
+
+    worker_id: str
+    session: str
+    plan: bytes
+    pull_dtype: int
+    push_dtype: torch.dtype
+    checksum: bool
+
+
+class ShardShare:
+    """Pushes one round's chunks of the shards this rank owns and pulls them back into the model.
+
+    Args:
+        node: the node's session (from the leader).
+        plan: the job's partition plan.
+        clients: ``{shard: ShardClient}`` for the shards this rank owns.
+        params: ``{key: parameter}`` of the plan's keys (the pulled values are written in place).
+        buffers: ``{key: buffer}`` of the plan's buffers.
+        rpc_timeout: deadline of each push, seconds.
+    """
+
+    def __init__(self, node: NodeSession, plan: PartitionPlan, clients: dict[int, ShardClient],
+                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], rpc_timeout: float) -> None:
+        self.node, self.plan, self.clients, self.rpc_timeout = node, plan, dict(clients), rpc_timeout
+        self.params, self.buffers = params, buffers
+        self.sink = ParameterSink(plan, params, buffers)
+        self._chunks: dict[int, list[Chunk]] = {s: plan.shard_chunks(s) for s in self.clients}
+        self._buffer_chunks: dict[int, list[Chunk]] = {s: plan.shard_buffer_chunks(s) for s in self.clients}
+        self._counts: dict[str, int] = {}
+        for s in self.clients:
+            for c in (*self._chunks[s], *self._buffer_chunks[s]):
+                self._counts[c.key] = self._counts.get(c.key, 0) + 1
+        self._start, at = {}, 0
+        for k in plan.keys:
+            self._start[k.key], at = at, at + k.numel
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="shardps-share")
+        self.last_pushed_bytes: dict[int, int] = {}
+
+    def push_pull(self, versions: Sequence[int], trailer: pb.RoundTrailer, flat: torch.Tensor,
+                  absent: set[str]) -> tuple[dict[int, int], list[tuple[int, BaseException]]]:
+        """Push this rank's shards' part of the round and pull their new parameters (blocking).
+
+        Args:
+            versions: each shard's version, as the leader holds it (the round pushed to it).
+            trailer: the round's trailer (the same on every local rank).
+            flat: the node's averaged gradient, the flat vector of :func:`shard_segments`
+                (float32, shape ``(total numel,)``; only this rank's ranges are read).
+            absent: keys without a gradient on any local rank (not sent).
+
+        Returns:
+            ``({shard: version received}, [(shard, error), ...])`` for the shards this rank owns.
+        """
+        rnd = Round(self.plan.num_shards, self._counts)
+        for s, client in self.clients.items():
+            header = pb.RoundHeader(worker_id=self.node.worker_id, session=self.node.session, round=versions[s],
+                                    plan_fingerprint=self.plan.fingerprint, pull_dtype=self.node.pull_dtype)
+            q = rnd.queues[s]
+            for c in self._chunks[s]:
+                if c.key not in absent:
+                    a = self._start[c.key] + c.offset
+                    q.put(("grad", c, flat[a : a + c.numel]))
+            for c in self._buffer_chunks[s]:
+                q.put(("buffer", c, self.buffers[c.key].detach().reshape(-1)[c.offset : c.offset + c.numel].to("cpu")))
+            q.put(("trailer", trailer))
+            q.put(None)
+            rnd.calls.append(client.push_pull(push_requests(header, s, self.node.push_dtype, self.node.checksum, rnd,
+                                                            self.rpc_timeout)))
+        futures = {s: self._pool.submit(self.sink.receive, client, call, versions[s] + 1, "push_pull", rnd)
+                   for (s, client), call in zip(self.clients.items(), rnd.calls)}
+        wait(futures.values())  # blocking wait for every owned shard's pull
+        self.last_pushed_bytes = {s: rnd.pushed_bytes[s] for s in self.clients}
+        applied = {s: f.result() for s, f in futures.items() if f.exception() is None}
+        failed = [(s, f.exception()) for s, f in futures.items() if f.exception() is not None]
+        return applied, failed
+
+    def close(self, own_clients: bool) -> None:
+        """Stop the threads; close the channels too if this rank made them (not the leader's)."""
+        self._pool.shutdown(wait=False)
+        if own_clients:
+            for client in self.clients.values():
+                client.close()
