@@ -356,6 +356,9 @@ class NodeOptimizer:
                     f"shard(s) {sorted(applied)} applied the round but shard {other[0][0]} failed it ({other[0][1]}): "
                     f"the model's partitions are at different versions {self.inner.versions}; restore the job "
                     "from a checkpoint")
+        # Every rank takes the shards that did apply the round from their owners, as after a good step (the
+        # failed ones are pulled again by the leader when it rejoins them, then broadcast from it).
+        self._gather_shares()
         if failed:
             raise failed[0][1]
         raise RuntimeError("the node's round failed on " + "; ".join(
