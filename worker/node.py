@@ -123,7 +123,6 @@ class NodeOptimizer:
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._params = [p for _, p in named if id(p) in in_optimizer]
         self._buffers = [b for _, b in named_buffers]
-        self._named_buffers = named_buffers
         self._names = [name for name, p in named if id(p) in in_optimizer]
         self._starts = [0, *itertools.accumulate(p.numel() for p in self._params)]
         self._numel = self._starts.pop()
@@ -157,10 +156,10 @@ class NodeOptimizer:
         self._resumed = self.version > 0
         self._broadcast_state()
         if self.split:
-            self._setup_share(named, named_buffers, servers if not isinstance(servers, str) else
+            self._setup_share(named_buffers, servers if not isinstance(servers, str) else
                               [a for a in servers.split(",") if a], kwargs)
 
-    def _setup_share(self, named: list, named_buffers: list, servers: list[str], kwargs: dict) -> None:
+    def _setup_share(self, named_buffers: list, servers: list[str], kwargs: dict) -> None:
         """The leader hands out the node's session; each rank connects to the shards it owns."""
         box = [None]
         if self.rank == 0:
@@ -172,24 +171,27 @@ class NodeOptimizer:
         plan = PartitionPlan.from_proto(pb.PlanSpec.FromString(node.plan))
         self._segments = shard_segments(plan)
         self._buffer_chunks = list(plan.buffer_chunks)
-        owned = [s for s in range(plan.num_shards) if owner(s, self.size) == self.rank]
-        error, failure = "", None
+        self._owned = [s for s in range(plan.num_shards) if owner(s, self.size) == self.rank]
+        self._pieces = {s: self._param_pieces(s) for s in range(plan.num_shards)}
+        self._buffer_map = dict(named_buffers)
+        error, failure, clients = "", None, {}
         try:
             if self.rank == 0:
-                clients = {s: self.inner._clients[s] for s in owned}
+                clients = {s: self.inner._clients[s] for s in self._owned}
             else:
                 retry = RetryPolicy(total_seconds=kwargs.get("retry_seconds", 60.0))
-                clients = {s: ShardClient(servers[s], index=s, rpc_timeout=kwargs.get("rpc_timeout", 120.0),
-                                          connect_timeout=kwargs.get("connect_timeout", 30.0), retry=retry,
-                                          security=kwargs.get("security"),
-                                          **({"max_message_bytes": kwargs["max_message_bytes"]}
-                                             if "max_message_bytes" in kwargs else {}))
-                           for s in owned}
-            params = {name: p for name, p in named if name in {k.key for k in plan.keys}}
-            buffers = dict(named_buffers)
-            self._share = ShardShare(node, plan, clients, params, buffers, kwargs.get("rpc_timeout", 120.0))
+                extra = {"max_message_bytes": kwargs["max_message_bytes"]} if "max_message_bytes" in kwargs else {}
+                for s in self._owned:
+                    clients[s] = ShardClient(servers[s], index=s, rpc_timeout=kwargs.get("rpc_timeout", 120.0),
+                                             connect_timeout=kwargs.get("connect_timeout", 30.0), retry=retry,
+                                             security=kwargs.get("security"), **extra)
+            self._share = ShardShare(node, plan, clients, dict(zip(self._names, self._params)), self._buffer_map,
+                                     kwargs.get("rpc_timeout", 120.0))
         except Exception as exc:  # told to every rank below
             error, failure = f"{type(exc).__name__}: {exc}", exc
+            if self.rank != 0:  # the channels this rank opened before the failure (the leader's belong to inner)
+                for client in clients.values():
+                    client.close()
         errors = self._agree(error)
         if errors:
             self.close()
@@ -370,31 +372,36 @@ class NodeOptimizer:
             if self._param_buffer is None:
                 self._param_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
             flat = self._param_buffer
-            owned = [s for s in range(len(self._segments)) if owner(s, self.size) == self.rank]
-            self._copy_shards(flat, owned, into_flat=True)
+            self._copy_shards(flat, self._owned, into_flat=True)
             for s, segments in enumerate(self._segments):
                 src = self._global(owner(s, self.size))
                 for a, n in segments:
                     dist.broadcast(flat.narrow(0, a, n), src=src, group=self.group)
-            self._copy_shards(flat, [s for s in range(len(self._segments)) if s not in owned], into_flat=False)
-        buffers = dict(self._named_buffers)
+            self._copy_shards(flat, [s for s in self._pieces if s not in self._owned], into_flat=False)
         for c in self._buffer_chunks:
-            b = buffers[c.key]
+            b = self._buffer_map[c.key]
             dist.broadcast(b.view(-1).narrow(0, c.offset, c.numel), src=self._global(owner(c.shard, self.size)),
                            group=self.group)
+
+    def _param_pieces(self, shard: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """Where shard ``shard``'s ranges fall: ``(parameter, offset in it, offset in the flat vector, numel)``."""
+        pieces = []
+        for a, n in self._segments[shard]:
+            for p, start in zip(self._params, self._starts):
+                lo, hi = max(a, start), min(a + n, start + p.numel())
+                if lo < hi:
+                    pieces.append((p, lo - start, lo, hi - lo))
+        return pieces
 
     def _copy_shards(self, flat: torch.Tensor, shards: list[int], into_flat: bool) -> None:
         """Copy the parameters' elements in ``shards``' ranges into ``flat`` (or back out of it)."""
         for s in shards:
-            for a, n in self._segments[s]:
-                for p, start in zip(self._params, self._starts):
-                    lo, hi = max(a, start), min(a + n, start + p.numel())
-                    if lo < hi:
-                        piece = p.data.view(-1)[lo - start : hi - start]
-                        if into_flat:
-                            flat[lo:hi].copy_(piece)
-                        else:
-                            piece.copy_(flat[lo:hi])
+            for p, at, lo, n in self._pieces[s]:
+                piece = p.data.view(-1)[at : at + n]
+                if into_flat:
+                    flat[lo : lo + n].copy_(piece)
+                else:
+                    piece.copy_(flat[lo : lo + n])
 
     def _global(self, local: int) -> int:
         """The global rank of local rank ``local`` of the node's group."""

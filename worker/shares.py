@@ -35,6 +35,14 @@ def owner(shard: int, local_ranks: int) -> int:
     return shard % local_ranks
 
 
+def key_starts(plan: PartitionPlan) -> dict[str, int]:
+    """Where each of the plan's keys begins in the flat vector of :func:`shard_segments` (elements)."""
+    start, at = {}, 0
+    for k in plan.keys:
+        start[k.key], at = at, at + k.numel
+    return start
+
+
 def shard_segments(plan: PartitionPlan) -> list[list[tuple[int, int]]]:
     """Each shard's ranges ``(start, length)`` (elements) of the flat vector of the plan's keys.
 
@@ -42,10 +50,7 @@ def shard_segments(plan: PartitionPlan) -> list[list[tuple[int, int]]]:
     plan order (``torch.cat([p.reshape(-1) for p in params])``). Touching
     chunks are merged: under plan format 4 each shard has one range (or none).
     """
-    start, at = {}, 0
-    for k in plan.keys:
-        start[k.key] = at
-        at += k.numel
+    start = key_starts(plan)
     segments: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_shards)]
     for c in plan.chunks:
         a = start[c.key] + c.offset
@@ -100,9 +105,7 @@ class ShardShare:
         for s in self.clients:
             for c in (*self._chunks[s], *self._buffer_chunks[s]):
                 self._counts[c.key] = self._counts.get(c.key, 0) + 1
-        self._start, at = {}, 0
-        for k in plan.keys:
-            self._start[k.key], at = at, at + k.numel
+        self._start = key_starts(plan)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="shardps-share")
         self.last_pushed_bytes: dict[int, int] = {}
 
