@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ class Member:
     applied_round: int = -1
 
 
+#: Sessions a shard remembers as dropped at lease expiry (the oldest are forgotten past this; 64 bytes each).
+MAX_EXPIRED_SESSIONS = 65536
+
+
 class Membership:
     """The members of one shard, keyed by worker id; at most ``max_workers``, each holding a lease.
 
@@ -81,6 +86,8 @@ class Membership:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_workers, self.lease_seconds, self._clock = max_workers, lease_seconds, clock
         self._members: dict[str, Member] = {}
+        # sessions dropped at lease expiry, newest last (bounded): such a process never joins again
+        self._expired: OrderedDict[str, None] = OrderedDict()
         self.epoch = 0
         self.expiries = self.joins = self.leaves = 0
 
@@ -99,8 +106,16 @@ class Membership:
 
         Raises:
             AlreadyExists: the id is a live member of another session.
+            FailedPrecondition: ``session`` was dropped at lease expiry (rounds went on
+                without it: that process may not come back, a restarted one may).
             ResourceExhausted: ``max_workers`` members already.
         """
+        if session in self._expired:
+            raise FailedPrecondition(
+                f"worker {shown(worker_id)} was dropped from this shard: its lease expired (no call for "
+                f"{self.lease_seconds:g}s) and the rounds went on without it, so this process may not join again; "
+                "restart the worker (a new process joins with a new session)"
+            )
         member = self._members.get(worker_id)
         if member is not None:
             if member.session != session:
@@ -166,6 +181,9 @@ class Membership:
         gone = [m for m in self._members.values() if m.expires < now]
         for m in gone:
             del self._members[m.worker_id]
+            self._expired[m.session] = None
+        while len(self._expired) > MAX_EXPIRED_SESSIONS:
+            self._expired.popitem(last=False)
         if gone:
             self.epoch += 1
             self.expiries += len(gone)

@@ -80,7 +80,9 @@ def test_killed_worker_is_dropped_at_lease_expiry(start_cluster) -> None:
 
 
 def test_stopped_worker_is_dropped_and_told_when_it_wakes(start_cluster) -> None:
-    cluster = start_cluster(2, min_workers=1, extra_args=("--lease-seconds", str(LEASE)))
+    # min_workers=2: with 1, the first worker could train alone while the second joined shard 0 before a round and
+    # shard 1 after it, and the shards would end one round apart for a reason that has nothing to do with leases
+    cluster = start_cluster(2, min_workers=2, extra_args=("--lease-seconds", str(LEASE)))
     procs = [start_worker(cluster.servers, f"w{i}", i, 2, steps=150) for i in range(2)]
     try:
         progress_after(cluster, signal.SIGSTOP, procs[1])

@@ -43,3 +43,23 @@ def test_an_id_is_refused_while_its_holder_lives_and_free_after_expiry() -> None
     members.expire()
     member, new = members.admit("a", "new")  # the same worker coming back
     assert new and member.session == "new"
+
+
+def test_a_session_dropped_at_lease_expiry_never_joins_again() -> None:
+    """A process that was silent past its lease (SIGSTOP, a long network cut) may not rejoin with its session: the
+    rounds went on without it, and a rejoin after UNAVAILABLE would let its stale steps count on some shards only.
+    A restarted process (a new session) joins as usual; a member's own renewal is untouched."""
+    clock = Clock()
+    members = Membership(8, lease_seconds=10.0, clock=clock)
+    members.admit("a", "s1")
+    members.admit("b", "s2")
+    members.admit("b", "s2")  # a live member's Join again: a renewal
+    clock.now += 11
+    members.get("a", "s1")  # too late, but not yet expired by the shard's check
+    assert [m.worker_id for m in members.expire()] == ["b"]
+    epoch = members.epoch
+    with pytest.raises(FailedPrecondition, match="lease expired .* may not join again"):
+        members.admit("b", "s2")
+    assert members.ids() == ["a"] and members.epoch == epoch  # the refusal changed nothing
+    member, new = members.admit("b", "s3")  # the restarted process
+    assert new and member.session == "s3"
