@@ -48,6 +48,19 @@ def run(i: int, servers: dict[str, str], out: str, device: str) -> None:
                 assert not opt.state, "the local optimizer must never allocate state"
                 with open(f"{out}/{name}-{i}.pushed.json", "w") as f:
                     json.dump(node_opt.last_pushed_bytes, f)
+                if local == 0:  # the node's optimizer state lives on the shards; its leader reads it
+                    state = node_opt.state_dict()
+                    torch.save(state, f"{out}/{name}-{i}.state.pt")
+                else:
+                    try:
+                        node_opt.state_dict()
+                        raise AssertionError("state_dict() on a non-leader rank must refuse")
+                    except RuntimeError as exc:
+                        assert "local rank 0" in str(exc), exc
+                    state = opt.state_dict()
+                # the usual resume call on every rank: the leader loads (its own state: accepted between rounds),
+                # the other ranks do nothing
+                node_opt.load_state_dict(state)
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out}/{name}-{i}.pt")
     finally:
         dist.destroy_process_group()

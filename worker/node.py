@@ -415,6 +415,42 @@ class NodeOptimizer:
     def param_groups(self) -> list[dict]:
         return self._optimizer.param_groups
 
+    def state_dict(self) -> dict:
+        """The node's optimizer state from the shards, in ``torch.optim``'s format; on the leader only.
+
+        The shards hold one optimizer state per node, which the leader reads
+        (see ``DistributedOptimizer.state_dict``); no collective, so the usual
+        ``if rank == 0: torch.save(opt.state_dict(), ...)`` works.
+
+        Raises:
+            RuntimeError: called on a local rank other than 0, or after ``close()``.
+            ShardRpcError: a shard refused or failed.
+        """
+        if self.rank != 0:
+            raise RuntimeError(f"the node's optimizer state is read by its leader: call state_dict() on local rank 0 "
+                               f"(this is local rank {self.rank})")
+        if self.inner is None:
+            raise RuntimeError("this NodeOptimizer is closed: its optimizer state lives on the shards, read it before "
+                               "close()")
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim`` state dict onto the shards: the leader does, the other local ranks do nothing.
+
+        Every rank may call it with the same checkpoint (the usual resume code);
+        no collective. Call it between steps (see ``DistributedOptimizer.load_state_dict``).
+
+        Raises:
+            RuntimeError: the leader's optimizer is closed.
+            ValueError: it does not fit this optimizer (groups, parameters, shapes).
+            ShardRpcError: a shard refused it.
+        """
+        if self.rank != 0:
+            return
+        if self.inner is None:
+            raise RuntimeError("this NodeOptimizer is closed")
+        self.inner.load_state_dict(state_dict)
+
     @property
     def last_pushed_bytes(self) -> dict[int, int]:
         """``{shard: bytes}`` this rank pushed in its last step (by ownership: its own shards; leader path: {})."""

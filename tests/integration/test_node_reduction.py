@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from shardps.worker.client import ShardClient
 from tests import node_proc
-from tests.integration.test_sync_oracle import STEPS, make_model, train_single
+from tests.integration.test_sync_oracle import STEPS, make_model, train_single_with_optimizer
 
 NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
 
@@ -34,7 +34,15 @@ def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
                        nprocs=4, join=True, start_method="spawn")
     initial = make_model()
     for name, cluster in clusters.items():
-        expected = train_single(name.split(":")[0])
+        expected, reference = train_single_with_optimizer(name.split(":")[0])
+        want_state = reference.state_dict()["state"]
+        for leader in (0, 2):  # the node's optimizer state, read from the shards by its leader
+            state = torch.load(tmp_path / f"{name}-{leader}.state.pt")["state"]
+            assert state.keys() == want_state.keys(), (name, state.keys())
+            for index, entries in want_state.items():
+                assert entries.keys() == state[index].keys(), (name, index)
+                for entry, want in entries.items():
+                    assert torch.allclose(state[index][entry], want, rtol=1e-4, atol=1e-6), (name, index, entry)
         for i in range(4):
             got = torch.load(tmp_path / f"{name}-{i}.pt")
             for (key, want), init in zip(expected.named_parameters(), initial.parameters()):

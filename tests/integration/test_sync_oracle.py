@@ -49,6 +49,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_single(name: str) -> nn.Module:
+    return train_single_with_optimizer(name)[0]
+
+
+def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = make_model()
     opt, sched = make_optimizer(name, model)
     x, y = data()
@@ -57,7 +61,7 @@ def train_single(name: str) -> nn.Module:
         nn.functional.cross_entropy(model(x[step]), y[step]).backward()
         opt.step()
         sched.step()
-    return model
+    return model, opt
 
 
 def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False) -> list[nn.Module]:
