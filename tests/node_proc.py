@@ -131,3 +131,56 @@ def split_with_clipping(i: int, out: str) -> None:
         _construct(f"{out}/clip.txt", servers="127.0.0.1:1", split=True, max_grad_norm=1.0)
     finally:
         dist.destroy_process_group()
+
+
+RESTART_STEPS = 10
+RESTART_AT = 4
+
+
+def shard_restarts(i: int, address: str, out: str) -> None:
+    """Local rank ``i`` of one split node whose shard 1 is SIGKILLed and restarted from its checkpoint.
+
+    Before step ``RESTART_AT`` the leader writes ``<out>/restart-now`` and every
+    rank waits for ``<out>/restarted`` (the test restarts the shard meanwhile).
+    Training goes on with the same batch every step; a step that raises is
+    recorded and the loop carries on, as a training loop that catches the
+    error would. Writes ``<out>/restart-<i>.json`` (each step's outcome and
+    loss, the leader's per-shard versions) and ``<out>/restart-<i>.pt`` (the
+    final parameters).
+    """
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/restart.rendezvous", rank=i, world_size=2)
+    outcomes, losses = [], []
+    try:
+        model = make_model()
+        opt, _ = make_optimizer("adamw", model)
+        x, y = data()
+        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
+                                 chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=30.0)
+        for step in range(RESTART_STEPS):
+            if step == RESTART_AT:
+                dist.barrier()
+                if i == 0:
+                    open(f"{out}/restart-now", "w").close()
+                deadline = time.monotonic() + 60
+                while not os.path.exists(f"{out}/restarted") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                dist.barrier()
+            node_opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[0, i * 6:(i + 1) * 6]), y[0, i * 6:(i + 1) * 6])
+            loss.backward()
+            losses.append(loss.item())
+            try:
+                node_opt.step()
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        versions = list(node_opt.inner.versions) if node_opt.inner is not None else []
+        node_opt.close()
+        torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out}/restart-{i}.pt")
+    finally:
+        with open(f"{out}/restart-{i}.json", "w") as f:
+            json.dump({"outcomes": outcomes, "losses": losses, "versions": locals().get("versions", [])}, f)
+        dist.destroy_process_group()

@@ -8,13 +8,16 @@ The shards average the two nodes. With equal quarter batches that is the
 mean gradient of the whole batch, so after 20 steps every rank's parameters
 must equal one process training on the whole batch within 1e-5, with AdamW
 and with SGD (Nesterov momentum), both with two param groups and an LR
-scheduler. Failures: a leader that cannot join, a shard SIGKILLed under a
-split node, split with clipping.
+scheduler; the leader's ``state_dict()`` equals the single process's
+optimizer state. Failures: a leader that cannot join, a shard SIGKILLed
+under a split node, a shard restarted from its checkpoint under a split node
+(rejoined, both ranks equal to the shards' model), split with clipping.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,54 @@ def test_split_refuses_clipping(tmp_path: Path) -> None:
                        start_method="spawn")
     outcome = (tmp_path / "clip.txt").read_text()
     assert outcome.startswith("ValueError: split=True cannot clip"), outcome
+
+
+def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined(start_cluster, tmp_path: Path) -> None:
+    """Shard 1 (owned by local rank 1) is SIGKILLed between steps and restarted on its port from its checkpoint.
+
+    The leader rejoins it (at once if its heartbeat saw the new process, else
+    after the one step that fails on every rank) and broadcasts what it
+    pulled. Checked: at most that one step fails, on both ranks, with a
+    restart's code; every later step succeeds; both ranks end bit for bit
+    equal to each other and to the model the shards hold; shard 1 resumed
+    from its checkpoint of the last round; the loss falls.
+    """
+    from shardps.worker.export import from_servers
+    from tests.procs import shard_stats, wait_until
+
+    cluster = start_cluster(2, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"),
+                                           "--checkpoint-every-rounds", "1", "--lease-seconds", "10"))
+    context = mp.start_processes(node_proc.shard_restarts, args=(cluster.servers, str(tmp_path)), nprocs=2,
+                                 join=False, start_method="spawn")
+    try:
+        wait_until(lambda: (tmp_path / "restart-now").exists(), 120, "the node to reach the restart step")
+        wait_until(lambda: (lambda s: s.checkpoint_version == s.version == node_proc.RESTART_AT)(
+            shard_stats(cluster.addresses)[1]), 30, "shard 1's checkpoint of the last round")
+        cluster.restart(1, same_port=True)
+        restored = shard_stats(cluster.addresses)[1]
+        (tmp_path / "restarted").touch()
+        deadline = time.monotonic() + 180
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the node did not finish within 180 s"
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    assert restored.restored_version == node_proc.RESTART_AT and list(restored.rejoining) == ["node0"]
+    runs = [json.loads((tmp_path / f"restart-{i}.json").read_text()) for i in range(2)]
+    failed = [[s for s, o in enumerate(r["outcomes"]) if o != "ok"] for r in runs]
+    assert failed[0] == failed[1] and failed[0] in ([], [node_proc.RESTART_AT]), runs
+    for r in runs:
+        assert len(r["outcomes"]) == node_proc.RESTART_STEPS
+        for o in r["outcomes"]:
+            assert o == "ok" or any(code in o for code in ("UNAVAILABLE", "FAILED_PRECONDITION", "ABORTED")), o
+        assert r["losses"][-1] < r["losses"][0] / 2, r["losses"]
+    final = shard_stats(cluster.addresses)
+    lost = len(failed[0])  # the failed step's round counted on shard 0 only
+    assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS,
+                                                                 node_proc.RESTART_STEPS - lost]
+    params = [torch.load(tmp_path / f"restart-{i}.pt") for i in range(2)]
+    held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict
+    for key, value in params[0].items():
+        assert torch.equal(value, params[1][key]), f"{key}: the local ranks differ"
+        assert torch.equal(value, held[key]), f"{key}: the node's model differs from the shards'"
