@@ -10,7 +10,8 @@ length (building a plan, the trial step, applying a round, the Stats
 digest) runs on one compute thread (``self._compute``), one piece at a
 time, while the loop keeps answering; while a round is applied
 (``rounds.applying``) pulls do not read the buffers. The rounds themselves
-are ``rounds.py``.
+are ``rounds.py``; the calls on the whole state (optimizer state, export,
+checkpoint) are ``state_calls.py``.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from shardps.server.admission import Admission
 from shardps.server.job import Job
 from shardps.server.membership import Member, Membership
 from shardps.server.metrics import ShardMetrics
-from shardps.server.optimizer import ShardOptimizer, StateError
+from shardps.server.optimizer import ShardOptimizer
 from shardps.server.rounds import Rounds
-from shardps.server.state import decode_state, encode_state
+from shardps.server.state_calls import StateCalls
 from shardps.server.stats import stats_reply
 from shardps.server.notifier import Notifier
 
@@ -77,6 +78,7 @@ class ShardStore:
         self._pull_bytes = 0
         self._lease_watch: asyncio.Task | None = None
         self.checkpoints = Checkpoints(self)
+        self.state_calls = StateCalls(self)  # GetState, SetState, Export, Checkpoint
         self._last_wait_log = 0.0
         self.incarnation = uuid.uuid4().hex  # tells workers this process apart from the one before a restart
         self.metrics.watch(self._metric_values)
@@ -415,62 +417,6 @@ class ShardStore:
         self._require_job(request.plan_fingerprint)
         self._members.get(request.worker_id, request.session)
 
-    # ----------------------------------------------------------------- optimizer state
-    async def get_state(self, request: pb.StateRequest) -> list[bytes]:
-        """The optimizer state of this shard's keys, as frames (``server/state.py``), read between rounds.
-
-        Raises:
-            InvalidArgument, FailedPrecondition: not a member of this session, plan mismatch, not initialised.
-        """
-        self._check_member_call(request.worker_id, request.session, request.plan_fingerprint)
-        await self._notifier.wait_for(lambda: not self.rounds.applying, self.config.max_wait_seconds)
-        return await self._run(encode_state, self._job.table, self.rounds.optimizer, self.version)
-
-    async def set_state(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
-        """Replace the optimizer state of this shard's keys, all or nothing; returns the version.
-
-        The state changes only between rounds (no push of the open round
-        accepted yet); a state equal to the current one is accepted any time,
-        so every worker of a job may load the same checkpoint. With
-        ``header.check_only`` the state is checked (and whether it may be
-        loaded now) and nothing changes: the worker checks every shard first.
-
-        Raises:
-            InvalidArgument: malformed or incomplete frames, entries the optimizer does not keep.
-            FailedPrecondition: not a member, plan mismatch, not initialised.
-            Aborted: a round is in progress and the state differs.
-        """
-        checks.check_round_header(header, self.config)
-        self._check_member_call(header.worker_id, header.session, header.plan_fingerprint)
-        decoded = []
-        async for raw in frames:
-            frame = checks.decode(raw, "set_state")
-            if frame.header is None:
-                raise InvalidArgument("set_state: only state chunks may follow the round header")
-            decoded.append(frame)
-        table, optimizer = self._job.table, self.rounds.optimizer
-        try:
-            states = await self._run(decode_state, table, optimizer, decoded)
-            if self.rounds.applying or self.rounds.pushed or header.check_only:
-                changed = await self._run(optimizer.load_state, states, True)  # checks and compares only
-                if changed and (self.rounds.applying or self.rounds.pushed):
-                    raise Aborted("a round is in progress: load optimizer state between rounds (before pushing)")
-                return self.version
-            await self._run(optimizer.load_state, states)
-        except StateError as exc:
-            raise InvalidArgument(str(exc)) from None
-        self.rounds.state_bytes = optimizer.state_bytes()
-        return self.version
-
-    def _check_member_call(self, worker_id: str, session: str, fingerprint: str) -> None:
-        checks.check_worker_id(worker_id, self.config)
-        checks.check_session(session)
-        self._check_open()
-        job = self._require_job(fingerprint)
-        self._members.get(worker_id, session)
-        if not job.initialised:
-            raise FailedPrecondition("this shard has not been initialised yet")
-
     # ----------------------------------------------------------------- leave, stats, close
     def leave(self, request: pb.LeaveRequest) -> int:
         """Remove a member (of this session); rounds stop waiting for it. Returns the members left.
@@ -522,51 +468,6 @@ class ShardStore:
         if request.digest and self.rounds.optimizer is not None:
             digest = await self._digest_of_current()
         return stats_reply(self, digest, request.plan)
-
-    # ----------------------------------------------------------------- export, checkpoint
-    async def export(self, request: pb.ExportRequest, timeout: float | None) -> AsyncIterator[bytes]:
-        """The fp32 parameters and buffers at the shard's version, which must be ``>= request.min_version``.
-
-        Read-only and open to non-members (operators export a live job). Waits
-        only for a round being applied to finish, never for rounds to come.
-
-        Raises:
-            FailedPrecondition: the shard holds no initialised job, or is below ``min_version``.
-            DeadlineExceeded: a round was still being applied after ``timeout`` seconds.
-        """
-        self._check_open()
-        job = self._job
-        if job is None or not job.initialised:
-            raise FailedPrecondition(f"shard {self.config.shard_index} holds no initialised job to export")
-        limit = self.config.max_wait_seconds if timeout is None else min(timeout, self.config.max_wait_seconds)
-        if not await self._notifier.wait_for(lambda: self._closing or not self.rounds.applying, limit):
-            raise DeadlineExceeded(f"shard {self.config.shard_index} was still applying a round after {limit:.1f}s")
-        self._check_open()
-        if self._job is not job:
-            raise Aborted(f"shard {self.config.shard_index}'s job was reset during the export")
-        if self.version < request.min_version:
-            raise FailedPrecondition(f"shard {self.config.shard_index} is at version {self.version}, below "
-                                     f"{request.min_version}; export again later")
-        return self.pull(self.version, pb.FLOAT32)
-
-    async def checkpoint(self) -> pb.CheckpointReply:
-        """Write a checkpoint now (the operator's ``shardps checkpoint``).
-
-        Raises:
-            FailedPrecondition: no ``--checkpoint-dir``, or no initialised job.
-            Unavailable: the disk refused (the message says why; older checkpoints are kept).
-        """
-        self._check_open()
-        directory = self.checkpoints.directory
-        if directory is None:
-            raise FailedPrecondition(f"shard {self.config.shard_index} was started without --checkpoint-dir")
-        try:
-            version = await self.checkpoints.write()
-        except OSError as exc:
-            raise Unavailable(f"shard {self.config.shard_index}: writing the checkpoint failed: {exc}") from None
-        if not version:
-            raise FailedPrecondition(f"shard {self.config.shard_index} holds no initialised job to checkpoint")
-        return pb.CheckpointReply(version=version, path=str(directory))
 
     def close(self) -> None:
         """Refuse new work and wake every waiting call (they fail with Unavailable)."""
