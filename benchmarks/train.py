@@ -41,13 +41,21 @@ model state plus communication buffers and allocator slack), the larger of
 the two processes for each. The shardps rows also give
 ``push_bytes_per_step``: the growth of the shards' own ``push_bytes_total``
 counters (Stats, summed over shards) over the timed steps, divided by the
-timed steps; reduction within the node should halve it. The goal printed
-for the MLP: shardps_node at least 0.75x DDP's samples/s.
+timed steps; reduction within the node should halve it. ``cpu_ms_per_step``:
+CPU time (user + system, every thread) per timed step of the 2 training
+processes and, for shardps, the 2 shard processes (read from
+``/proc/<pid>/stat`` on Linux, else absent), and ``cpu_bound_samples_per_s``:
+the samples/s the system could reach at best if that work kept every core
+of this machine busy (cores x samples per step / CPU per step). When the
+processes share few cores (2 here) the work done per step, not waiting,
+caps the speed. The goal printed for the MLP: shardps_node at least 0.75x
+DDP's samples/s.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import sys
 import tempfile
@@ -144,6 +152,26 @@ def _optimizer_tensors(opt) -> list:
     return [v for st in inner.state.values() for v in st.values()]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` used so far (all its threads); None without Linux's /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _shards_cpu(shard_pids: list[int]) -> float | None:
+    readings = [cpu_seconds(pid) for pid in shard_pids]
+    return None if None in readings else sum(readings)
+
+
 def _shard_push_bytes(system: str, opt, rank: int, barrier) -> int:
     """Bytes the shards have received in pushes so far (Stats ``push_bytes_total`` summed over shards).
 
@@ -169,7 +197,7 @@ def _shard_push_bytes(system: str, opt, rank: int, barrier) -> int:
 
 def _worker(
     rank: int, kind: str, system: str, servers: str, rendezvous: str, steps: int, per_worker: int,
-    chunk_bytes: int, barrier, out_dir: str,
+    chunk_bytes: int, barrier, out_dir: str, shard_pids: list[int],
 ) -> None:
     """One process of ``system``: train ``steps`` steps on its half of each batch, write its figures to ``out_dir``."""
     torch.set_num_threads(1)
@@ -201,11 +229,12 @@ def _worker(
             opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         else:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
-    start, pushed = 0.0, 0
+    start, pushed, cpu, shards_cpu = 0.0, 0, 0.0, None
     for step in range(steps):
         if step == WARMUP:
             pushed = -_shard_push_bytes(system, opt, rank, barrier)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
+            shards_cpu = _shards_cpu(shard_pids) if rank == 0 else None
         x, y = batch(kind, step, WORKERS * per_worker)
         mine = slice(rank * per_worker, (rank + 1) * per_worker)
         opt.zero_grad()
@@ -213,7 +242,9 @@ def _worker(
         opt.step()
     if system == "shardps":
         opt.synchronize()  # the last pull may still be landing
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if shards_cpu is not None:
+        shards_cpu = _shards_cpu(shard_pids) - shards_cpu
     pushed += _shard_push_bytes(system, opt, rank, barrier)
     held = state_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *_optimizer_tensors(opt)])
     with torch.no_grad():
@@ -223,7 +254,8 @@ def _worker(
         opt.close()
     if system != "shardps":
         dist.destroy_process_group()
-    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held} {pushed}")
+    Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held} {pushed} {cpu} "
+                                            f"{-1.0 if shards_cpu is None else shards_cpu}")
 
 
 def free_port() -> int:
@@ -244,8 +276,9 @@ def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -
         rendezvous = f"127.0.0.1:{free_port()}"
         barrier = mp.get_context("spawn").Barrier(WORKERS)
         try:
+            pids = [p.pid for p in cluster.processes] if cluster else []
             mp.start_processes(_worker, args=(kind, system, servers, rendezvous, steps, per_worker, chunk_bytes,
-                                              barrier, out), nprocs=WORKERS, start_method="spawn")
+                                              barrier, out, pids), nprocs=WORKERS, start_method="spawn")
         finally:
             if cluster:
                 cluster.stop()
@@ -262,6 +295,11 @@ def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -
     }
     if system in SHARDPS:
         result["push_bytes_per_step"] = int(rows[0][5]) / (steps - WARMUP)  # read on rank 0
+    shards_cpu = float(rows[0][7])  # read on rank 0; -1: no /proc
+    if shards_cpu >= 0:
+        per_step = (sum(float(r[6]) for r in rows) + shards_cpu) / (steps - WARMUP)
+        result["cpu_ms_per_step"] = 1e3 * per_step
+        result["cpu_bound_samples_per_s"] = cores() * WORKERS * per_worker / per_step
     return result
 
 
@@ -295,9 +333,10 @@ def main() -> None:
           f"{r['ratio_samples_per_s_vs_ddp']:.2f}" if "ratio_samples_per_s_vs_ddp" in r else "-",
           f"{r['push_bytes_per_step'] / mib:.1f}" if "push_bytes_per_step" in r else "-",
           f"{r['final_loss']:.6f}", f"{r['model_state_bytes'] / mib:.0f}",
-          f"{r['peak_rss_bytes'] / mib:.0f}", f"{r['rss_growth_bytes'] / mib:.0f}"] for s, r in results.items()],
+          f"{r['peak_rss_bytes'] / mib:.0f}", f"{r['rss_growth_bytes'] / mib:.0f}",
+          f"{r['cpu_ms_per_step']:.0f}" if "cpu_ms_per_step" in r else "-"] for s, r in results.items()],
         ["system", "samples/s", "x DDP", "pushed to shards MiB/step", "final loss", "model state MiB",
-         "peak RSS MiB", "RSS growth MiB"],
+         "peak RSS MiB", "RSS growth MiB", "CPU ms/step"],
     ))
     out = {"model": args.model, "chunk_bytes": args.chunk_bytes, "params": params, "steps": args.steps,
            "timed_steps": args.steps - WARMUP, "per_worker_batch": per_worker, "workers": WORKERS, **results}
@@ -320,6 +359,12 @@ def main() -> None:
                                 "ratio_samples_per_s_vs_ddp": n["ratio_samples_per_s_vs_ddp"], "met": met}
             print(f"goal (MLP): shardps_node >= {NODE_GOAL:.2f}x DDP samples/s: "
                   f"{'met' if met else 'NOT met'} ({n['ratio_samples_per_s_vs_ddp']:.2f}x)")
+        if "cpu_bound_samples_per_s" in n:
+            bound = n["cpu_bound_samples_per_s"] / d["samples_per_s"]
+            out["node_cpu_bound_ratio_vs_ddp"] = bound
+            print(f"shardps_node used {n['cpu_ms_per_step']:.0f} ms of CPU per step (DDP "
+                  f"{d.get('cpu_ms_per_step', float('nan')):.0f} ms): on {cores()} cores it could reach at most "
+                  f"{n['cpu_bound_samples_per_s']:.0f} samples/s, {bound:.2f}x DDP's measured samples/s")
     if "shardps" in results and "shardps_node" in results:
         w, n = results["shardps"]["push_bytes_per_step"], results["shardps_node"]["push_bytes_per_step"]
         out["ratio_push_bytes_node_vs_workers"] = n / w
