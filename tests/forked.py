@@ -1,13 +1,20 @@
-"""Real shard processes for tests, forked from a preloaded interpreter instead of started cold.
+"""Real shard and worker processes for tests, forked from a preloaded interpreter instead of started cold.
 
-A shard process spends ~3 s of its start importing torch. The test suite
-starts about a hundred, so :class:`ForkedCluster` starts them with Python's
-``multiprocessing`` forkserver: one server process imports torch and the
-shard's modules once, and every shard is a fresh ``fork`` of it running
-the same ``shardps.server.cli.main`` as ``shardps-server`` (own process,
-own port, own log, real signals and exit codes), ready in tens of
-milliseconds. Nothing gRPC or asyncio exists in the forkserver before the
-fork: both are created in the child.
+A process that imports torch spends ~3 s of CPU on it. The test suite
+starts about a hundred shards and dozens of worker and CLI processes, so
+they start from Python's ``multiprocessing`` forkserver: one server process
+imports torch and the shard's modules once, and every process is a fresh
+``fork`` of it, ready in tens of milliseconds:
+
+- :class:`ForkedCluster`: shards running the same ``shardps.server.cli.main``
+  as ``shardps-server`` (own process, own port, own log, real signals and
+  exit codes);
+- :class:`ForkedPopen`: ``python -m module args`` (a test worker, the
+  ``shardps`` CLI) as a ``subprocess.Popen`` with real pipes, signals and
+  exit codes (``tests.procs.start_module``).
+
+Nothing gRPC or asyncio exists in the forkserver before the fork: both are
+created in the child.
 """
 
 from __future__ import annotations
@@ -144,3 +151,77 @@ class ForkedCluster(LocalCluster):
                 return address
         raise RuntimeError(f"shard {shard} did not report its address (exit code {proc.poll()}):\n"
                            f"{self.log_tail(shard)}")
+
+
+class _InheritedFd:
+    """A file descriptor handed to a forked child (``multiprocessing``'s fd passing); the child gets its own copy."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _run_module(module: str, argv: list[str], cwd: str, fds: tuple[int, int, int]) -> None:
+    """Child process: the given fds become stdin, stdout and stderr, then ``python -m module argv`` as it would run."""
+    import runpy
+
+    multiprocessing.current_process().daemon = False  # a CLI may start processes of its own (daemon is the parent's
+    # cleanup flag: a daemonic process may not have children)
+    for target, fd in enumerate(fds):
+        if fd >= 0:
+            os.dup2(fd, target)
+            os.close(fd)
+    os.chdir(cwd)
+    sys.stdin = os.fdopen(0, "r", closefd=False) if fds[0] >= 0 else sys.stdin
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its sys.exit(code) is the exit code
+
+
+class ForkedPopen(subprocess.Popen):
+    """``subprocess.Popen([sys.executable, "-m", module, *argv], ...)`` whose process is forked from the forkserver.
+
+    The same ``Popen`` object (pipes, ``communicate``, signals, ``returncode``;
+    a signal's death is ``-signum``) for a process that starts in
+    milliseconds instead of paying torch's import (~3 s of CPU). Only
+    ``stdin``/``stdout``/``stderr``, ``text`` and ``cwd`` are supported.
+    """
+
+    def __init__(self, module: str, argv: list[str], **kwargs) -> None:
+        if unsupported := sorted(set(kwargs) - {"stdin", "stdout", "stderr", "text", "cwd"}):
+            raise TypeError(f"ForkedPopen does not support {unsupported}")
+        self._module, self._argv, self._process = module, list(argv), None
+        super().__init__([sys.executable, "-m", module, *argv], **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
+                       shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest) -> None:
+        child = (p2cread, c2pwrite, errwrite)
+        try:
+            fds = tuple(_InheritedFd(fd) if fd != -1 else -1 for fd in child)
+            self._process = _Process(target=_run_module, args=(self._module, self._argv, str(cwd or os.getcwd()), fds),
+                                     daemon=True)
+            self._process.start()
+            self.pid = self._process.pid
+        finally:
+            for fd in child:  # the child has its copies; the parent keeps its own ends only
+                if fd != -1 and fd not in (p2cwrite, c2pread, errread):
+                    os.close(fd)
+
+    def _internal_poll(self, _deadstate=None, _waitpid=None, _WNOHANG=None, _ECHILD=None) -> int | None:
+        if self.returncode is None and self._process is not None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def _wait(self, timeout: float | None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.returncode = self._process.exitcode
+        return self.returncode

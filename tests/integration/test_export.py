@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -21,11 +20,11 @@ from safetensors.torch import load_file
 
 from shardps.worker.digits import load_split, make_model
 from shardps.worker.export import from_checkpoints
+from tests.procs import run_module
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardps.worker.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_module("shardps.worker.cli", *args, timeout=timeout)
 
 
 def accuracy(state: dict[str, torch.Tensor]) -> float:

@@ -53,7 +53,7 @@ STREAMS = ("Init", "Push", "PushPull", "SetState")
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
 KINDS = ("raw", "mutated", "fields", "seed", "member")
 IDS = ("w0", "w1", "zz-fuzz", "fuzz", "", "w0 ", "x" * 300, "\u00e9t\u00e9", "tab\t")
-PER_EXAMPLE = 4  # requests per hypothesis example
+PER_EXAMPLE = 16  # requests per hypothesis example (fewer examples: less of hypothesis's own overhead)
 
 
 def plan_and_optimizer():

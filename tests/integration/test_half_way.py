@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -30,7 +29,7 @@ from torch import nn
 
 from shardps.worker.client import ShardClient
 from shardps.worker.export import from_servers
-from tests.procs import REPO, shard_stats
+from tests.procs import shard_stats, start_module
 from tests.raw import RawWorker, plan_and_spec
 
 LEASE = 3.0
@@ -70,9 +69,8 @@ def test_a_member_dying_half_way_counts_on_the_shards_that_had_its_push(start_cl
             w.init(shard, dict(model.named_parameters()))
         beating = threading.Thread(target=heartbeats, args=([w for ws in survivors for w in ws], stop), daemon=True)
         beating.start()
-        dying = subprocess.Popen([sys.executable, "-m", "tests.half_push_proc", "--servers", cluster.servers,
-                                  "--worker-id", "w2", "--fill", "6"], cwd=REPO, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        dying = start_module("tests.half_push_proc", "--servers", cluster.servers, "--worker-id", "w2", "--fill", "6",
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert dying.stdout.readline().strip() == "pushed", dying.stderr.read()[-2000:]
         assert [list(s.pushed) for s in shard_stats(cluster.addresses)] == [["w2"], []]
         dying.send_signal(signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.procs import REPO, shard_stats, start_worker
+from tests.procs import REPO, run_module, shard_stats, start_worker
 from tests.procs import run_worker as run_process
 
 
@@ -14,8 +14,7 @@ def run_worker(servers: str, worker_id: str, steps: int, *extra: str) -> subproc
 
 
 def reset(servers: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardps.worker.cli", "reset", "--servers", servers],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return run_module("shardps.worker.cli", "reset", "--servers", servers, timeout=60)
 
 
 def versions(cluster) -> list[int]:

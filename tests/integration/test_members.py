@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,9 +19,9 @@ from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker.client import ShardClient, ShardRpcError
+from tests.procs import start_worker
 from tests.raw import RawWorker, plan_and_spec, snapshot
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def model() -> nn.Module:
@@ -74,10 +71,8 @@ def test_second_process_with_a_live_members_id_is_refused(shard) -> None:
 def test_two_worker_processes_with_one_id_only_one_joins(shard) -> None:
     """Items 1 and 2 with real worker processes: exactly one of two same-id processes joins and initialises."""
     cluster, client, *_ = shard
-    cmd = [sys.executable, "-m", "tests.worker_proc", "--servers", cluster.servers, "--worker-id", "dup", "--hold",
-           "--connect-timeout", "2"]  # how long a Join waits for the id to be freed by a dead process
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    # --connect-timeout: how long a Join waits for the id to be freed by a dead process
+    procs = [start_worker(cluster.servers, "dup", "--hold", "--connect-timeout", "2", stdin=True) for _ in range(2)]
     try:
         # Each either joins and holds (prints "joined", then waits for a line) or is refused and exits.
         joined, refused = [], []

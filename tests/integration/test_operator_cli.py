@@ -22,7 +22,7 @@ from torch import nn
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker import DistributedOptimizer
 from shardps.worker.client import ShardClient
-from tests.procs import shard_stats
+from tests.procs import run_module, shard_stats
 from tests.raw import RawWorker, plan_and_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ CLI = [sys.executable, "-m", "shardps.worker.cli"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_module("shardps.worker.cli", *args, timeout=timeout)
 
 
 def assert_no_pipe_error(stderr: str) -> None:
