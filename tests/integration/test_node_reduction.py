@@ -28,13 +28,16 @@ from shardps.worker.client import ShardClient
 from tests import node_proc
 from tests.integration.test_sync_oracle import STEPS, make_model, train_single_with_optimizer
 
+#: The local ranks are forked from the preloaded forkserver of ``tests.forked`` (conftest imports it): real
+#: processes and real Gloo groups, without torch's ~3 s import in each.
+START = "forkserver"
 NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
 
 
 def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
     clusters = {name: start_cluster(2, min_workers=2) for name in NAMES}
     mp.start_processes(node_proc.run, args=({n: c.servers for n, c in clusters.items()}, str(tmp_path), device),
-                       nprocs=4, join=True, start_method="spawn")
+                       nprocs=4, join=True, start_method=START)
     initial = make_model()
     for name, cluster in clusters.items():
         expected, reference = train_single_with_optimizer(name.split(":")[0])
@@ -87,7 +90,7 @@ def test_a_leader_that_cannot_join_fails_every_local_rank(tmp_path: Path) -> Non
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
-    mp.start_processes(node_proc.leader_fails, args=(dead, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(node_proc.leader_fails, args=(dead, str(tmp_path)), nprocs=2, join=True, start_method=START)
     leader = (tmp_path / "failing-0.txt").read_text()
     other = (tmp_path / "failing-1.txt").read_text()
     assert leader.startswith(("ConnectionError", "ShardRpcError")) and dead in leader, leader
@@ -100,7 +103,7 @@ def test_a_shard_killed_under_a_split_node_fails_every_local_rank(start_cluster,
     cluster = start_cluster(2, min_workers=1)
     pid = cluster.processes[1].pid
     mp.start_processes(node_proc.shard_dies, args=(cluster.servers, pid, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+                       start_method=START)
     leader = (tmp_path / "dies-0.txt").read_text().splitlines()
     other = (tmp_path / "dies-1.txt").read_text().splitlines()
     assert leader[:2] == ["ok", "ok"] and other[:2] == ["ok", "ok"], (leader, other)
@@ -114,7 +117,7 @@ def test_a_shard_killed_under_a_split_node_fails_every_local_rank(start_cluster,
 def test_split_refuses_clipping(tmp_path: Path) -> None:
     """max_grad_norm needs every shard's report before any applies the round: split=True with it is refused."""
     mp.start_processes(node_proc.split_with_clipping, args=(str(tmp_path),), nprocs=1, join=True,
-                       start_method="spawn")
+                       start_method=START)
     outcome = (tmp_path / "clip.txt").read_text()
     assert outcome.startswith("ValueError: split=True cannot clip"), outcome
 
@@ -135,7 +138,7 @@ def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined(st
     cluster = start_cluster(2, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"),
                                            "--checkpoint-every-rounds", "1", "--lease-seconds", "10"))
     context = mp.start_processes(node_proc.shard_restarts, args=(cluster.servers, str(tmp_path)), nprocs=2,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=START)
     try:
         wait_until(lambda: (tmp_path / "restart-now").exists(), 120, "the node to reach the restart step")
         wait_until(lambda: (lambda s: s.checkpoint_version == s.version == node_proc.RESTART_AT)(
