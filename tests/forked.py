@@ -209,10 +209,12 @@ class ForkedPopen(subprocess.Popen):
                                      daemon=True)
             self._process.start()
             self.pid = self._process.pid
-        finally:
-            for fd in child:  # the child has its copies; the parent keeps its own ends only
-                if fd != -1 and fd not in (p2cwrite, c2pread, errread):
+        finally:  # the child has its copies: close the child's ends of the pipes Popen made (as Popen does)
+            for fd, ours in ((p2cread, p2cwrite), (c2pwrite, c2pread), (errwrite, errread)):
+                if fd != -1 and ours != -1:
                     os.close(fd)
+            if hasattr(self, "_devnull"):
+                os.close(self._devnull)
 
     def _internal_poll(self, _deadstate=None, _waitpid=None, _WNOHANG=None, _ECHILD=None) -> int | None:
         if self.returncode is None and self._process is not None:
