@@ -89,21 +89,41 @@ def _construct(path: str, **kwargs) -> None:
         f.write(outcome)
 
 
+def _join_node(i: int, out: str, name: str) -> None:
+    """Local rank ``i`` of a one-node, two-rank Gloo group (rendezvous ``<out>/<name>.rendezvous``)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/{name}.rendezvous", rank=i, world_size=2)
+
+
+def _split_node(address: str, retry_seconds: float):
+    """A split NodeOptimizer of the node's group on ``address``: ``(model, node_opt, x, y)``."""
+    model = make_model()
+    opt, _ = make_optimizer("adamw", model)
+    x, y = data()
+    node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
+                             chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=retry_seconds)
+    return model, node_opt, x, y
+
+
+def _step(node_opt: NodeOptimizer) -> str:
+    """One ``step()``: ``"ok"`` or ``"<error type>: <message>"`` (the loop carries on, as one that catches would)."""
+    try:
+        node_opt.step()
+        return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def shard_dies(i: int, address: str, shard_pid: int, out: str) -> None:
     """Local rank ``i`` of one split node whose shard 1 (owned by local rank 1) is SIGKILLed after two steps.
 
     Writes ``<out>/dies-<i>.txt``: each outcome of the two steps after the kill
     (both must raise on every rank, none may wait for the other).
     """
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/dies.rendezvous", rank=i, world_size=2)
+    _join_node(i, out, "dies")
     outcomes = []
     try:
-        model = make_model()
-        opt, _ = make_optimizer("adamw", model)
-        x, y = data()
-        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
-                                 chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=2.0)
+        model, node_opt, x, y = _split_node(address, retry_seconds=2.0)
         for step in range(4):
             if step == 2:
                 dist.barrier()
@@ -112,11 +132,7 @@ def shard_dies(i: int, address: str, shard_pid: int, out: str) -> None:
                 dist.barrier()
             node_opt.zero_grad()
             nn.functional.cross_entropy(model(x[step, i * 6:(i + 1) * 6]), y[step, i * 6:(i + 1) * 6]).backward()
-            try:
-                node_opt.step()
-                outcomes.append("ok")
-            except Exception as exc:
-                outcomes.append(f"{type(exc).__name__}: {exc}")
+            outcomes.append(_step(node_opt))
         node_opt.close()
     finally:
         with open(f"{out}/dies-{i}.txt", "w") as f:
@@ -150,15 +166,10 @@ def shard_restarts(i: int, address: str, out: str) -> None:
     """
     import time
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/restart.rendezvous", rank=i, world_size=2)
-    outcomes, losses = [], []
+    _join_node(i, out, "restart")
+    outcomes, losses, versions = [], [], []
     try:
-        model = make_model()
-        opt, _ = make_optimizer("adamw", model)
-        x, y = data()
-        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
-                                 chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=30.0)
+        model, node_opt, x, y = _split_node(address, retry_seconds=30.0)
         for step in range(RESTART_STEPS):
             if step == RESTART_AT:
                 dist.barrier()
@@ -172,15 +183,11 @@ def shard_restarts(i: int, address: str, out: str) -> None:
             loss = nn.functional.cross_entropy(model(x[0, i * 6:(i + 1) * 6]), y[0, i * 6:(i + 1) * 6])
             loss.backward()
             losses.append(loss.item())
-            try:
-                node_opt.step()
-                outcomes.append("ok")
-            except Exception as exc:
-                outcomes.append(f"{type(exc).__name__}: {exc}")
+            outcomes.append(_step(node_opt))
         versions = list(node_opt.inner.versions) if node_opt.inner is not None else []
         node_opt.close()
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out}/restart-{i}.pt")
     finally:
         with open(f"{out}/restart-{i}.json", "w") as f:
-            json.dump({"outcomes": outcomes, "losses": losses, "versions": locals().get("versions", [])}, f)
+            json.dump({"outcomes": outcomes, "losses": losses, "versions": versions}, f)
         dist.destroy_process_group()
