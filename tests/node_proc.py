@@ -158,9 +158,9 @@ def shard_restarts(i: int, address: str, out: str) -> None:
 
     Before step ``RESTART_AT`` the leader writes ``<out>/restart-now`` and every
     rank waits for ``<out>/restarted`` (the test restarts the shard meanwhile).
-    Training goes on with the same batch every step; a step that raises is
-    recorded and the loop carries on, as a training loop that catches the
-    error would. Writes ``<out>/restart-<i>.json`` (each step's outcome and
+    Training goes on with the same batch every step; a step that raises
+    (none should: the leader rejoins the shard inside the step) is recorded
+    and the loop carries on, as a training loop that catches the error would. Writes ``<out>/restart-<i>.json`` (each step's outcome and
     loss, the leader's per-shard versions) and ``<out>/restart-<i>.pt`` (the
     final parameters).
     """

@@ -29,9 +29,11 @@ How a step runs (:meth:`NodeOptimizer.step`), by chunk ownership (the default):
 
 The leader (local rank 0) alone joins the shards, heartbeats, and rejoins a
 shard that restarted (between steps; it then broadcasts its whole state).
-A push that fails on any rank raises on every rank, naming the rank, the
-shard and its error; a shard that restarted or dropped the connection is
-rejoined by the leader at the next step, as ``DistributedOptimizer`` does.
+A shard that restarted or dropped the connection during a round is
+rejoined by the leader inside that step (its partition pulled and broadcast;
+the round is not sent to it again), as ``DistributedOptimizer`` does, and the
+step succeeds. Any other failure, or a shard still down past the retry
+budget, raises on every rank, naming the rank, the shard and its error.
 
 With ``max_grad_norm`` the round's clipping needs every shard's report
 before any shard applies it, so ownership would have to exchange reports
@@ -63,9 +65,6 @@ from shardps.worker.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.retry import RetryPolicy
 from shardps.worker.shares import NodeSession, ShardShare, owner, shard_segments
-
-#: Failed pushes after which the leader rejoins the shard before the next step (it may have restarted).
-_REJOIN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED})
 
 log = logging.getLogger(__name__)
 
@@ -334,37 +333,91 @@ class NodeOptimizer:
             dist.all_reduce(outcome, op=dist.ReduceOp.SUM, group=self.group)
             received = outcome.tolist()
             if min(received) < 0:
-                self._round_failed(received, failed)
+                received = self._round_failed(received, failed)
+            else:
+                self._gather_shares()
             if self.inner is not None:
                 self.inner.versions = received
                 self.inner.metrics.step_finished()
             self.version = min(received)
-            self._gather_shares()
 
-    def _round_failed(self, received: list[int], failed: list[tuple[int, BaseException]]) -> None:
-        """Raise on every rank after a push failed on some; the leader marks shards to rejoin, or a divergence."""
+    def _round_failed(self, received: list[int], failed: list[tuple[int, BaseException]]) -> list[int]:
+        """After a push failed on some rank: rejoin the shards that restarted, or raise on every rank.
+
+        Every rank first takes the shards that did apply the round from their
+        owners, as after a good step. The leader then rejoins each failed shard
+        whose error is a restart or a dropped connection and pulls its current
+        version (:meth:`_rejoin_failed`), as a ``DistributedOptimizer`` does
+        inside its step: the round is not sent to it again. If every failed
+        shard was rejoined, the leader broadcasts the whole model and the step
+        succeeds on every rank.
+
+        Args:
+            received: each shard's new version, -1 where its push or pull failed.
+            failed: this rank's failures, ``(shard, error)``.
+
+        Returns:
+            Each shard's version now (every failed shard rejoined).
+
+        Raises:
+            ShardRpcError, RuntimeError: on every rank, when a failed shard could not be
+                rejoined: the rank that pushed to it raises the shard's error, the others
+                a RuntimeError naming the local rank, the shard and the error.
+        """
         mine = [(s, getattr(e, "code", None), f"{type(e).__name__}: {e}") for s, e in failed]
         gathered: list = [None] * self.size
         dist.all_gather_object(gathered, [(s, c.name if c else "", m) for s, c, m in mine], group=self.group)
         everyone = [(r, s, code, m) for r, lst in enumerate(gathered) for s, code, m in lst]
-        if self.inner is not None:
-            applied = {s: v for s, v in enumerate(received) if v >= 0}
-            self.inner.versions = [v if v >= 0 else old for v, old in zip(received, self.inner.versions)]
-            rejoin = {s for _, s, code, _ in everyone if code in {c.name for c in _REJOIN_CODES}}
-            self.inner._recovery.restarted.update(rejoin)
-            other = [(s, m) for _, s, code, m in everyone if s not in rejoin]
-            if other and applied:
-                self.inner._diverged = (
-                    f"shard(s) {sorted(applied)} applied the round but shard {other[0][0]} failed it ({other[0][1]}): "
-                    f"the model's partitions are at different versions {self.inner.versions}; restore the job "
-                    "from a checkpoint")
-        # Every rank takes the shards that did apply the round from their owners, as after a good step (the
-        # failed ones are pulled again by the leader when it rejoins them, then broadcast from it).
         self._gather_shares()
-        if failed:
-            raise failed[0][1]
+        box = [self._rejoin_failed(received, everyone) if self.inner is not None else None]
+        dist.broadcast_object_list(box, src=self._leader, group=self.group)
+        versions, left = box[0]
+        if not left:
+            self._broadcast_state()  # the rejoined shards' partitions, pulled by the leader
+            return versions
+        own = [e for s, e in failed if s in {shard for _, shard, _ in left}]
+        if own:
+            raise own[0]
         raise RuntimeError("the node's round failed on " + "; ".join(
-            f"local rank {r}, shard {s}: {m}" for r, s, _, m in everyone))
+            f"local rank {r}, shard {s}: {m}" for r, s, m in left))
+
+    def _rejoin_failed(self, received: list[int], everyone: list[tuple[int, int, str, str]]
+                       ) -> tuple[list[int], list[tuple[int, int, str]]]:
+        """Leader: rejoin the failed shards that restarted or dropped the connection (``Recovery.rejoinable``).
+
+        A shard that cannot be rejoined now (still down past the retry budget) is
+        rejoined at the next step; any other failure on a round that other shards
+        applied leaves the partitions at different versions: the job is marked
+        diverged, as ``DistributedOptimizer`` does.
+
+        Args:
+            received: each shard's new version, -1 where it failed.
+            everyone: every rank's failures, ``(local rank, shard, status code name or "", message)``.
+
+        Returns:
+            ``(versions, left)``: each shard's version now, and the failures not recovered
+            (``(local rank, shard, message)``).
+        """
+        inner = self.inner
+        versions = [v if v >= 0 else old for v, old in zip(received, inner.versions)]
+        left, other = [], []
+        for r, s, code, m in everyone:
+            try:
+                if inner._recovery.rejoinable(s, grpc.StatusCode[code] if code else None):
+                    versions[s] = inner._recovery.rejoin(s, f"{code} in a round pushed by local rank {r} ({m[:200]})")
+                    continue
+                other.append((s, m))
+            except Exception as exc:  # still down: rejoined between steps, at the next step()
+                inner._recovery.restarted.add(s)
+                m = f"{m}; rejoining it failed: {type(exc).__name__}: {exc}"
+            left.append((r, s, m))
+        inner.versions = versions
+        applied = [s for s, v in enumerate(received) if v >= 0]
+        if other and applied:
+            inner._diverged = (
+                f"shard(s) {applied} applied the round but shard {other[0][0]} failed it ({other[0][1]}): the model's "
+                f"partitions are at different versions {versions}; restore the job from a checkpoint")
+        return versions, left
 
     def _gather_shares(self) -> None:
         """All-gather: every shard's range of the parameters, and its buffer chunks, from the rank that pulled them."""

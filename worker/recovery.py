@@ -101,12 +101,22 @@ class Recovery:
         rejoined, left = {}, []
         for shard, error in failed:
             code = getattr(error, "code", None)
-            if isinstance(error, ShardRpcError) and (
-                    code == grpc.StatusCode.UNAVAILABLE or (code in _MAYBE_RESTARTED and self.is_restarted(shard))):
+            if isinstance(error, ShardRpcError) and self.rejoinable(shard, code):
                 rejoined[shard] = self.rejoin(shard, f"{code.name} in a round ({error.details[:200]})")
             else:
                 left.append((shard, error))
         return rejoined, left
+
+    def rejoinable(self, shard: int, code: grpc.StatusCode | None) -> bool:
+        """Whether a round that failed on shard ``shard`` with ``code`` is a restart or a dropped connection.
+
+        UNAVAILABLE always is; FAILED_PRECONDITION or ABORTED only when the
+        shard's incarnation changed (asked with one Stats call).
+
+        Raises:
+            ShardRpcError: the shard could not be asked.
+        """
+        return code == grpc.StatusCode.UNAVAILABLE or (code in _MAYBE_RESTARTED and self.is_restarted(shard))
 
     def between_steps(self) -> dict[int, int]:
         """Rejoin the shards the heartbeat thread found restarted; ``{shard: version now}``."""

@@ -11,7 +11,8 @@ and with SGD (Nesterov momentum), both with two param groups and an LR
 scheduler; the leader's ``state_dict()`` equals the single process's
 optimizer state. Failures: a leader that cannot join, a shard SIGKILLed
 under a split node, a shard restarted from its checkpoint under a split node
-(rejoined, both ranks equal to the shards' model), split with clipping.
+(rejoined inside the step that found it: no step fails, both ranks equal the
+shards' model), split with clipping.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def test_a_leader_that_cannot_join_fails_every_local_rank(tmp_path: Path) -> Non
 
 def test_a_shard_killed_under_a_split_node_fails_every_local_rank(start_cluster, tmp_path: Path) -> None:
     """SIGKILL the shard owned by local rank 1: the next step raises on both ranks (naming rank and shard), and so
-    does the one after (the leader cannot rejoin a dead shard within its 2 s retry budget); nobody waits forever."""
+    does the one after (the leader tries to rejoin the dead shard in each, within its 2 s retry budget); nobody
+    waits forever."""
     cluster = start_cluster(2, min_workers=1)
     pid = cluster.processes[1].pid
     mp.start_processes(node_proc.shard_dies, args=(cluster.servers, pid, str(tmp_path)), nprocs=2, join=True,
@@ -122,21 +124,24 @@ def test_split_refuses_clipping(tmp_path: Path) -> None:
     assert outcome.startswith("ValueError: split=True cannot clip"), outcome
 
 
-def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined(start_cluster, tmp_path: Path) -> None:
+def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_within_the_step(start_cluster, tmp_path: Path) -> None:
     """Shard 1 (owned by local rank 1) is SIGKILLed between steps and restarted on its port from its checkpoint.
 
-    The leader rejoins it (at once if its heartbeat saw the new process, else
-    after the one step that fails on every rank) and broadcasts what it
-    pulled. Checked: at most that one step fails, on both ranks, with a
-    restart's code; every later step succeeds; both ranks end bit for bit
-    equal to each other and to the model the shards hold; shard 1 resumed
-    from its checkpoint of the last round; the loss falls.
+    The shards' lease is 300 s, so the leader's heartbeat (every 100 s) does
+    not see the new process first: the next round's push to shard 1 fails on
+    local rank 1, and the leader rejoins the shard inside that same step,
+    pulls its restored partition and broadcasts the model, as a
+    ``DistributedOptimizer`` recovers inside its step. Checked: no step
+    raises on either rank; the round of that step counted on shard 0 only
+    (versions [10, 9]); both ranks end bit for bit equal to each other and to
+    the model the shards hold; shard 1 resumed from its checkpoint of the
+    last round; the loss falls.
     """
     from shardps.worker.export import from_servers
     from tests.procs import shard_stats, wait_until
 
     cluster = start_cluster(2, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"),
-                                           "--checkpoint-every-rounds", "1", "--lease-seconds", "10"))
+                                           "--checkpoint-every-rounds", "1", "--lease-seconds", "300"))
     context = mp.start_processes(node_proc.shard_restarts, args=(cluster.servers, str(tmp_path)), nprocs=2,
                                  join=False, start_method=START)
     try:
@@ -155,17 +160,12 @@ def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined(st
                 p.kill()
     assert restored.restored_version == node_proc.RESTART_AT and list(restored.rejoining) == ["node0"]
     runs = [json.loads((tmp_path / f"restart-{i}.json").read_text()) for i in range(2)]
-    failed = [[s for s, o in enumerate(r["outcomes"]) if o != "ok"] for r in runs]
-    assert failed[0] == failed[1] and failed[0] in ([], [node_proc.RESTART_AT]), runs
     for r in runs:
-        assert len(r["outcomes"]) == node_proc.RESTART_STEPS
-        for o in r["outcomes"]:
-            assert o == "ok" or any(code in o for code in ("UNAVAILABLE", "FAILED_PRECONDITION", "ABORTED")), o
+        assert r["outcomes"] == ["ok"] * node_proc.RESTART_STEPS, r["outcomes"]
         assert r["losses"][-1] < r["losses"][0] / 2, r["losses"]
     final = shard_stats(cluster.addresses)
-    lost = len(failed[0])  # the failed step's round counted on shard 0 only
-    assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS,
-                                                                 node_proc.RESTART_STEPS - lost]
+    # the round of step RESTART_AT is not sent again to the restarted shard (as DistributedOptimizer does)
+    assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS, node_proc.RESTART_STEPS - 1]
     params = [torch.load(tmp_path / f"restart-{i}.pt") for i in range(2)]
     held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict
     for key, value in params[0].items():
