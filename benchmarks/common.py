@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import resource
+import socket
 from pathlib import Path
 
 import torch
@@ -58,3 +59,20 @@ def emit(result: dict, path: Path | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"figures written to {path}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` used so far (all its threads); None without it or Linux's /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

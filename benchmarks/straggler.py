@@ -86,6 +86,15 @@ job with staleness 2, async ends at loss 1.43 against sync's 0.87, while
 with AdamW (whose step size does not depend on the gradient's scale) it
 ends at 0.77 against 0.74.
 
+The lr is constant by default. ``--schedule cosine`` decays it over the
+sample budget, from the lr to 0, by the batch's number, so every mode
+trains each batch with the same factor. It does not close the gap. In
+transient runs at 20 ms, with each mode's best lr on a grid (ddp 3e-3 ..
+2e-2, async and ssp 3e-3 .. 1e-2, async and ssp twice at 6e-3 and 8e-3),
+ddp reached 0.672 (lr 1e-2), async 0.698-0.739 (lr 7e-3 and 8e-3:
+1.04-1.10x) and ssp 0.705-0.711 (lr 8e-3: 1.05-1.06x). The constant-lr
+figures in the same sense: 1.02-1.06x.
+
 Goals (``goals`` in the JSON, printed at the end):
 
 - transient: ssp and async samples/s >= 1.3x ddp's, and their final loss
@@ -109,536 +118,37 @@ reproducible and equal.
 
 Worker processes are spawned once (torch.multiprocessing, ``spawn``) and run
 every (scenario, mode) in turn; every wait is bounded (``--run-timeout``) and
-every process and cluster is stopped on exit and on error.
+every process and cluster is stopped on exit and on error. The job (model,
+data, stragglers, each worker's loop) is in ``straggler_job.py``, the worker
+processes and clusters of one run in ``straggler_runs.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import faulthandler
-import functools
-import math
-import os
-import queue
-import random
 import signal
-import socket
 import sys
 import textwrap
-import threading
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from common import emit, parser, table  # noqa: E402
-from torch import nn  # noqa: E402
+from straggler_job import MODELS, MOMENTUM, PERSISTENT_STRAGGLER, SEED, WORKERS, eval_loss, make_model  # noqa: E402
+from straggler_runs import SHARDS, Clusters, Workers, run_one  # noqa: E402
 
-WORKERS = 3
-SHARDS = 2
-CLASSES = 10
-EVAL_SAMPLES = 4096
-MOMENTUM = 0.9
 #: default lr of each (--optimizer, --model): the best for ddp/sync of a small grid (see the module docstring)
 DEFAULT_LR = {("adamw", "mlp"): 3e-3, ("adamw", "wide"): 1e-3, ("sgd", "mlp"): 0.05, ("sgd", "wide"): 0.05}
 #: async and ssp lr of (--optimizer, --model) where tuned on a grid (see the module docstring); else --lr
 DEFAULT_STALE_LR = {("adamw", "mlp"): {"async": 4e-3, "ssp": 2e-3}}
 OPTIMIZERS = ("adamw", "sgd")
-SEED = 2024
 SCENARIOS = ("transient", "persistent")
 MODES = ("ddp", "sync", "ssp", "async")
-PERSISTENT_STRAGGLER = 2
-#: (input features, hidden width) of each model
-MODELS = {"mlp": (32, 256), "wide": (256, 1024)}
 SPEEDUP_GOAL = 1.3
 LOSS_GOAL = 1.05
 SSP_PERSISTENT_NOTE = ("no goal: SSP cannot beat a persistent straggler by design (its fast workers wait for it every "
                        "s clocks, so the job runs at the straggler's pace)")
-
-
-# ---------------------------------------------------------------------------------------------- model and data
-def make_model(kind: str) -> nn.Module:
-    """The student MLP, with the same initial parameters in every process."""
-    d_in, hidden = MODELS[kind]
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, CLASSES))
-
-
-@functools.cache
-def _teacher(kind: str) -> nn.Module:
-    """The fixed random network whose argmax labels the data (d_in -> 64 -> tanh -> 10)."""
-    d_in, _ = MODELS[kind]
-    g = torch.Generator().manual_seed(SEED)
-    first, second = nn.Linear(d_in, 64), nn.Linear(64, CLASSES)
-    with torch.no_grad():
-        for layer in (first, second):
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) / math.sqrt(layer.in_features))
-            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.1)
-    return nn.Sequential(first, nn.Tanh(), second).eval()
-
-
-def samples(kind: str, seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` inputs drawn with ``seed`` and the teacher's labels for them (deterministic)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, MODELS[kind][0], generator=g)
-    with torch.no_grad():
-        y = _teacher(kind)(x).argmax(dim=1)
-    return x, y
-
-
-@functools.cache
-def dataset(kind: str, batches: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The job's batches 0 .. ``batches - 1`` (the sample budget), built before any timing."""
-    return [samples(kind, SEED + 1 + i, batch_size) for i in range(batches)]
-
-
-def eval_loss(kind: str, model: nn.Module) -> float:
-    """Cross-entropy of ``model`` on the fixed held-out set."""
-    x, y = samples(kind, SEED - 1, EVAL_SAMPLES)
-    with torch.no_grad():
-        return nn.functional.cross_entropy(model(x), y).item()
-
-
-def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    """AdamW (torch defaults otherwise) or SGD with momentum 0.9."""
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
-
-
-def straggler_draws(count: int, seed: int = SEED) -> list[int]:
-    """The transient scenario's slow worker at each step index (one seeded sequence for every mode)."""
-    rng = random.Random(seed)
-    return [rng.choice(range(WORKERS)) for _ in range(count)]
-
-
-def delay(task: dict, rank: int, step: int) -> float:
-    """Simulated compute seconds of ``rank``'s own step ``step``."""
-    if task["scenario"] == "transient":
-        factor = task["slow_factor"] if task["draws"][step] == rank else 1.0
-    else:
-        factor = task["persistent_factor"] if rank == PERSISTENT_STRAGGLER else 1.0
-    return task["base_seconds"] * factor
-
-
-# ---------------------------------------------------------------------------------------------- worker side
-#: The DDP modules of this worker process's finished runs, kept until the process ends without finalisation
-#: (``os._exit``). Freeing one frees its Reducer, whose reference may be the last one to the run's Gloo process
-#: group; the group's destructor then joins its worker threads while holding the GIL, and a thread that needs
-#: the GIL to drop a Python object it still holds never ends: an intermittent deadlock seen with torch 2.13
-#: (main thread in ``ProcessGroupGloo::~ProcessGroupGloo`` -> ``std::thread::join``, a Gloo thread in
-#: ``gil_scoped_acquire``), even after ``destroy_process_group()``.
-_KEEP_ALIVE: list = []
-
-
-def _train_steps(task: dict, rank: int, net: nn.Module, opt: Any,
-                 next_batch: Callable[[int], int | None]) -> tuple[int, float]:
-    """Run steps until ``next_batch(k)`` returns None; returns (steps done, seconds slept)."""
-    data = dataset(task["model"], task["budget"], task["batch_size"])
-    k, slept = 0, 0.0
-    while (index := next_batch(k)) is not None:
-        seconds = delay(task, rank, k)
-        time.sleep(seconds)
-        slept += seconds
-        x, y = data[index]
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        k += 1
-    return k, slept
-
-
-def _wait_for_go(rank: int, results: Any, go: Any, timeout: float) -> float:
-    """Tell the parent this worker is set up, wait (bounded) for its go; returns when this worker was ready."""
-    ready = time.monotonic()
-    results.put((rank, "ready", None))
-    if not go.wait(timeout):
-        raise RuntimeError(f"worker {rank}: no go from the parent within {timeout:.0f} s")
-    return ready
-
-
-def _run_task(task: dict, rank: int, counter: Any, results: Any, go: Any) -> dict:
-    """One (scenario, mode) on this worker: build, say ready, wait for the go, train, report."""
-    timeout = task["timeout"]
-    steps, budget = task["steps"], task["budget"]
-    dataset(task["model"], budget, task["batch_size"])  # built before the clock starts
-    model = make_model(task["model"])
-    mode = task["mode"]
-
-    def lockstep(k: int) -> int | None:
-        return WORKERS * k + rank if k < steps else None
-
-    def claim(_k: int) -> int | None:
-        with counter.get_lock():
-            if counter.value >= budget:
-                return None
-            counter.value += 1
-            return counter.value - 1
-
-    final_loss = None
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        dist.init_process_group("gloo", init_method=f"tcp://{task['endpoint']}", rank=rank, world_size=WORKERS,
-                                timeout=datetime.timedelta(seconds=timeout))
-        try:
-            net = DistributedDataParallel(model)
-            _KEEP_ALIVE.append(net)  # never freed: see _KEEP_ALIVE
-            opt = make_optimizer(task["optimizer"], net.parameters(), task["lr"])
-            ready = _wait_for_go(rank, results, go, timeout)
-            start, cpu = time.monotonic(), time.process_time()
-            done, slept = _train_steps(task, rank, net, opt, lockstep)
-            end, cpu = time.monotonic(), time.process_time() - cpu
-            if rank == 0:
-                final_loss = eval_loss(task["model"], model)
-        finally:
-            dist.destroy_process_group()
-    else:
-        from shardps.worker import DistributedOptimizer
-
-        opt = DistributedOptimizer(make_optimizer(task["optimizer"], model.parameters(), task["lr"]),
-                                   model.named_parameters(), servers=task["endpoint"],
-                                   worker_id=f"straggler-{rank}", mode=mode,
-                                   staleness=task["staleness"] if mode == "ssp" else None,
-                                   scale_lr_by_staleness=task["scale_lr"] and mode != "sync",
-                                   rpc_timeout=timeout, connect_timeout=min(timeout, 30.0))
-        try:
-            ready = _wait_for_go(rank, results, go, timeout)
-            start, cpu = time.monotonic(), time.process_time()
-            done, slept = _train_steps(task, rank, model, opt, lockstep if mode == "sync" else claim)
-            end, cpu = time.monotonic(), time.process_time() - cpu
-        finally:
-            opt.close()
-    return {"ready": ready, "start": start, "end": end, "steps": done, "slept": slept, "cpu": cpu,
-            "final_loss": final_loss}
-
-
-def _worker_main(rank: int, tasks: Any, results: Any, counter: Any, go: Any, idle_timeout: float) -> None:
-    """Worker process: run the tasks the parent sends (None ends it); report each result or error.
-
-    Ends with ``os._exit`` once its results are flushed (see :data:`_KEEP_ALIVE`).
-    SIGUSR1 prints every thread's Python stack to stderr (the parent sends it to a worker that hangs).
-    """
-    torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    parent = mp.parent_process()
-    try:
-        while True:
-            idle_until = time.monotonic() + idle_timeout
-            task = None
-            while task is None and time.monotonic() < idle_until and (parent is None or parent.is_alive()):
-                try:
-                    task = tasks.get(timeout=2.0)
-                except queue.Empty:
-                    continue
-                if task is None:
-                    return
-            if task is None:
-                return  # the parent is gone or stuck: do not linger
-            try:
-                results.put((rank, "ok", _run_task(task, rank, counter, results, go)))
-            except BaseException:  # reported to the parent, which stops everything
-                results.put((rank, "error", traceback.format_exc()))
-                return
-    finally:
-        results.close()
-        results.join_thread()  # everything put is written to the pipe
-        sys.stderr.flush()
-        os._exit(0)
-
-
-# ---------------------------------------------------------------------------------------------- parent side
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for the Gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds the processes ``pids`` used so far (Linux ``/proc``; 0 for one that is gone)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def staleness_summary(histogram: list[int]) -> dict:
-    """Mean and max staleness of a histogram (the last bucket counts everything at or above it)."""
-    total = sum(histogram)
-    used = [i for i, c in enumerate(histogram) if c]
-    top = used[-1] if used else 0
-    return {
-        "mean": sum(i * c for i, c in enumerate(histogram)) / total if total else 0.0,
-        "max": top,
-        "max_saturated": bool(used) and top == len(histogram) - 1,
-        "applied": total,
-        "histogram": histogram[: top + 1],
-    }
-
-
-class Workers:
-    """The 3 worker processes, spawned once; :meth:`run` runs one (scenario, mode) on all of them."""
-
-    def __init__(self, run_timeout: float) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.run_timeout = run_timeout
-        self.results = self.ctx.Queue()
-        self.tasks = [self.ctx.Queue() for _ in range(WORKERS)]
-        self.counter = self.ctx.Value("q", 0)
-        self.go = self.ctx.Event()  # set once every worker is ready and nothing else runs: see run()
-        self.processes: list = []
-
-    def start(self) -> "Workers":
-        for rank in range(WORKERS):
-            p = self.ctx.Process(target=_worker_main, daemon=True, name=f"straggler-worker-{rank}",
-                                 args=(rank, self.tasks[rank], self.results, self.counter, self.go,
-                                       self.run_timeout + 600))
-            p.start()
-            self.processes.append(p)
-        return self
-
-    def run(self, task: dict, before_start: Callable[[], None], on_go: Callable[[], None]) -> list[dict]:
-        """Send ``task`` to every worker and wait (bounded) for the 3 results, in rank order.
-
-        While the workers set up, this process runs ``before_start()`` (starting
-        and stopping clusters); once it is done and every worker is ready, it
-        lets them start their clocks together (``go``), so that nothing but
-        the run itself goes on while they are timed; ``on_go()`` runs then.
-
-        Raises:
-            RuntimeError: a worker failed (its traceback) or died, or the run took over ``run_timeout``.
-        """
-        with self.counter.get_lock():
-            self.counter.value = 0
-        for q in self.tasks:
-            q.put({**task, "timeout": self.run_timeout})
-        deadline = time.monotonic() + self.run_timeout
-        before_start()
-        ready: set[int] = set()
-        out: dict[int, dict] = {}
-        while len(out) < WORKERS:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(WORKERS)) - set(out))
-                for rank in missing:  # their stacks, on stderr
-                    if self.processes[rank].is_alive():
-                        os.kill(self.processes[rank].pid, signal.SIGUSR1)
-                time.sleep(1.0)
-                raise RuntimeError(f"{task['scenario']}/{task['mode']}: workers {missing} did not finish within "
-                                   f"{self.run_timeout:.0f} s")
-            try:
-                rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [p.name for p in self.processes if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"{task['scenario']}/{task['mode']}: worker process(es) {dead} died") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"{task['scenario']}/{task['mode']}: worker {rank} failed:\n{payload}")
-            if status == "ready":
-                ready.add(rank)
-                if len(ready) == WORKERS:
-                    self.go.set()
-                    on_go()
-            else:
-                out[rank] = payload
-        self.go.clear()  # every worker is past it: the next run waits again
-        return [out[r] for r in range(WORKERS)]
-
-    def stop(self) -> None:
-        """Ask every worker to exit; terminate (then kill) the ones still alive after a few seconds."""
-        for q in self.tasks:
-            try:
-                q.put(None)
-            except (ValueError, OSError):
-                pass
-        deadline = time.monotonic() + 10.0
-        for p in self.processes:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        self.processes = []
-
-
-class Clusters:
-    """Fresh 2-shard ``LocalCluster``s, each started in the background while the run before it sets up.
-
-    A cluster is only started or stopped outside the timed part of a run:
-    :meth:`settle` (called by the parent before it lets the workers start
-    their clocks) waits until the cluster being started serves and every
-    cluster being stopped has exited.
-    """
-
-    def __init__(self) -> None:
-        self.live: list = []
-        self.threads: list[threading.Thread] = []
-        self._next: Any = None
-        self._error: list[BaseException] = []
-
-    def prepare(self) -> None:
-        """Start the next run's cluster in the background (taken by :meth:`take`)."""
-        from shardps.worker import LocalCluster
-
-        cluster = LocalCluster(SHARDS, min_workers=WORKERS)
-        self.live.append(cluster)
-        self._next = cluster
-
-        def start() -> None:
-            try:
-                cluster.start()
-            except BaseException as exc:  # re-raised by take()
-                self._error.append(exc)
-
-        self._background(start, "start-cluster")
-
-    @property
-    def pending(self) -> bool:
-        """A cluster was prepared and not taken yet."""
-        return self._next is not None
-
-    def take(self) -> Any:
-        """The cluster :meth:`prepare` started (started now if none was), once it serves.
-
-        Raises:
-            RuntimeError: a shard did not start (LocalCluster's message).
-        """
-        if self._next is None:
-            self.prepare()
-        self.settle()
-        cluster, self._next = self._next, None
-        if self._error:
-            raise self._error.pop()
-        return cluster
-
-    def release(self, cluster: Any) -> None:
-        """Stop ``cluster`` in the background."""
-        self._background(cluster.stop, "stop-cluster")
-
-    def settle(self, timeout: float = 120.0) -> None:
-        """Wait (bounded) until every background start and stop is done."""
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(timeout=max(0.1, deadline - time.monotonic()))
-        self.threads = [t for t in self.threads if t.is_alive()]
-        if self.threads:
-            raise RuntimeError(f"starting or stopping a cluster took over {timeout:.0f} s")
-
-    def stop_all(self) -> None:
-        """Stop every cluster (on exit and on error)."""
-        try:
-            self.settle()
-        finally:
-            for cluster in self.live:
-                cluster.stop()  # a no-op for a cluster already stopped
-            self.live = []
-
-    def _background(self, fn: Callable[[], Any], name: str) -> None:
-        """Run ``fn()`` in a daemon thread that :meth:`settle` waits for."""
-        thread = threading.Thread(target=fn, name=name, daemon=True)
-        thread.start()
-        self.threads.append(thread)
-
-
-def shardps_figures(cluster: Any, kind: str) -> dict:
-    """The final model's loss (parameters exported from the shards) and shard 0's staleness histogram."""
-    from shardps.worker.client import ShardClient
-    from shardps.worker.export import from_servers
-
-    exported = from_servers(cluster.servers, wait_seconds=30.0)
-    model = make_model(kind)
-    model.load_state_dict(exported.state_dict, strict=True)
-    client = ShardClient(cluster.addresses[0], index=0, connect_timeout=10.0, rpc_timeout=30.0)
-    try:
-        stats = client.stats()
-    finally:
-        client.close()
-    return {"final_loss": eval_loss(kind, model), "shard_versions": list(exported.versions),
-            "staleness": staleness_summary([int(c) for c in stats.staleness_histogram])}
-
-
-def run_one(workers: Workers, clusters: Clusters, args: Any, scenario: str, mode: str, shardps_later: bool) -> dict:
-    """One (scenario, mode) on a fresh cluster (shardps modes); also starts a later shardps run's cluster."""
-    budget = WORKERS * args.steps
-    task = {"scenario": scenario, "mode": mode, "steps": args.steps, "budget": budget, "batch_size": args.batch_size,
-            "model": args.model, "optimizer": args.optimizer,
-            "lr": {"async": args.async_lr, "ssp": args.ssp_lr}.get(mode, args.lr), "base_seconds": args.base_seconds,
-            "slow_factor": args.slow_factor, "persistent_factor": args.persistent_factor, "staleness": args.staleness,
-            "scale_lr": args.scale_lr_by_staleness, "draws": straggler_draws(budget)}
-    began = time.monotonic()
-    cluster = None
-    if mode == "ddp":
-        task["endpoint"] = f"127.0.0.1:{free_port()}"
-    else:
-        cluster = clusters.take()
-        task["endpoint"] = cluster.servers
-
-    def before_start() -> None:
-        if shardps_later and not clusters.pending:
-            clusters.prepare()
-        clusters.settle()
-
-    shard_cpu: list[float] = []
-
-    def on_go() -> None:
-        if cluster is not None:
-            shard_cpu.append(process_cpu_seconds([p.pid for p in cluster.processes]))
-
-    try:
-        rows = workers.run(task, before_start, on_go)
-        if cluster is not None:
-            shard_cpu.append(process_cpu_seconds([p.pid for p in cluster.processes]))
-        wall = max(r["end"] for r in rows) - min(r["start"] for r in rows)
-        steps = [r["steps"] for r in rows]
-        if sum(steps) != budget:
-            raise RuntimeError(f"{scenario}/{mode}: {sum(steps)} steps instead of the budget {budget}")
-        result: dict[str, Any] = {
-            "samples_per_s": budget * args.batch_size / wall,
-            "wall_seconds": wall,
-            "samples": budget * args.batch_size,
-            "steps_per_worker": steps,
-            "slept_seconds_per_worker": [round(r["slept"], 4) for r in rows],
-            # per step, the time a worker spent outside its simulated compute: real compute, communication, waiting
-            "other_ms_per_step": [round(1e3 * (r["end"] - r["start"] - r["slept"]) / max(1, r["steps"]), 2)
-                                  for r in rows],
-            # CPU time (user + system) per step of each worker process, and of all shard processes together
-            "worker_cpu_ms_per_step": [round(1e3 * r["cpu"] / max(1, r["steps"]), 2) for r in rows],
-        }
-        if len(shard_cpu) == 2:
-            result["shards_cpu_ms_per_step"] = round(1e3 * (shard_cpu[1] - shard_cpu[0]) / budget, 2)
-        if cluster is None:
-            result["final_loss"] = rows[0]["final_loss"]
-        else:
-            result.update(shardps_figures(cluster, args.model))
-            applied = result["staleness"]["applied"]
-            if applied != budget:
-                raise RuntimeError(f"{scenario}/{mode}: shard 0 applied {applied} gradients, not {budget}")
-        if mode == "ssp":
-            result["staleness_bound"] = args.staleness
-        start = min(r["start"] for r in rows)
-        result["untimed_seconds"] = {"before": start - began, "workers_setup": max(r["ready"] for r in rows) - began,
-                                     "after": time.monotonic() - start - wall}
-        return result
-    finally:
-        if cluster is not None:
-            clusters.release(cluster)
 
 
 def goals(results: dict) -> dict:
@@ -721,6 +231,8 @@ def main() -> None:
     p.add_argument("--scale-lr-by-staleness", action=argparse.BooleanOptionalAction, default=True,
                    help="async/ssp: the shards divide each push's lr by max(1, staleness) (Zhang et al., IJCAI "
                    "2016; default on)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="learning rate over the sample budget, the same in every mode (default constant)")
     p.add_argument("--run-timeout", type=float, default=180.0,
                    help="seconds one (scenario, mode) may take before the benchmark gives up (default 180)")
     args = p.parse_args()
@@ -775,6 +287,7 @@ def main() -> None:
                    "base_seconds": args.base_seconds, "slow_factor": args.slow_factor,
                    "persistent_factor": args.persistent_factor, "persistent_straggler": PERSISTENT_STRAGGLER,
                    "staleness_bound": args.staleness, "scale_lr_by_staleness": args.scale_lr_by_staleness,
+                   "schedule": args.schedule,
                    "seed": SEED, "initial_loss": initial_loss},
         **results["transient"],
         "persistent": results["persistent"],

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -67,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from common import current_rss_bytes, emit, parser, peak_rss_bytes, table  # noqa: E402
+from common import cpu_seconds, current_rss_bytes, emit, free_port, parser, peak_rss_bytes, table  # noqa: E402
 from torch import nn  # noqa: E402
 
 WORKERS = 2
@@ -150,16 +149,6 @@ def _optimizer_tensors(opt) -> list:
     # DistributedOptimizer and NodeOptimizer wrap the user's optimizer
     inner = getattr(inner, "_optimizer", inner)
     return [v for st in inner.state.values() for v in st.values()]
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds process ``pid`` used so far (all its threads); None without Linux's /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cores() -> int:
@@ -256,12 +245,6 @@ def _worker(
         dist.destroy_process_group()
     Path(out_dir, f"{rank}.txt").write_text(f"{seconds} {final_loss!r} {peak} {peak - baseline} {held} {pushed} {cpu} "
                                             f"{-1.0 if shards_cpu is None else shards_cpu}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -> dict:
