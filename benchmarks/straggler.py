@@ -3,6 +3,7 @@
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
         [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
         [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR] [--async-lr LR] [--ssp-lr LR]
+        [--schedule constant|cosine] [--repeats 1]
 
 What it measures: how much a slow worker costs each way of training with 3
 worker processes (one torch thread each) on one machine. Every step of a
@@ -70,10 +71,14 @@ as in ``benchmarks/train.py``; ``--optimizer sgd`` is SGD with momentum 0.9
 SGD 0.01 .. 0.1) that gave ddp/sync the lowest final loss (chosen with 20 ms
 of simulated compute; the losses do not depend on it). async and ssp get
 their own lr, as one tunes each method when comparing them (``--async-lr``,
-``--ssp-lr``): with AdamW on the MLP, async 4e-3 and ssp 2e-3, the best final
-loss of each in the transient scenario over the grid 1e-3, 1.5e-3, 2e-3,
-3e-3, 4e-3, 5e-3 (one run each at the default sizes; run to run, an async
-loss moves by about 0.01-0.02 with the order in which pushes land); other
+``--ssp-lr``): with AdamW on the MLP, async 3e-3 (the same as ddp's) and
+ssp 2e-3, the best mean final losses in the transient scenario at the
+default sizes (ssp's 2e-3 to 3e-3 are equal within the noise). An async or ssp loss moves by up to 0.05 from run to run
+with the order in which pushes land, so each lr was run 3 times or more:
+async 1.5e-3: 0.833, 2e-3: 0.777, 2.5e-3: 0.790, 3e-3: 0.762, 4e-3: 0.789
+(5 runs, 0.761-0.825); ssp 1.5e-3: 0.768, 2e-3: 0.750 (7 runs,
+0.722-0.766), 2.5e-3: 0.739, 3e-3: 0.751 (ddp: 0.737). ``--repeats N``
+runs every mode N times and reports the means. Other
 optimizers and models use ``--lr``. That lr is divided by each push's
 staleness on the shards (``scale_lr_by_staleness``, Zhang et al.,
 "Staleness-aware Async-SGD", IJCAI 2016; ``--no-scale-lr-by-staleness``
@@ -127,6 +132,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 import textwrap
 import time
@@ -141,14 +147,34 @@ from straggler_runs import SHARDS, Clusters, Workers, run_one  # noqa: E402
 #: default lr of each (--optimizer, --model): the best for ddp/sync of a small grid (see the module docstring)
 DEFAULT_LR = {("adamw", "mlp"): 3e-3, ("adamw", "wide"): 1e-3, ("sgd", "mlp"): 0.05, ("sgd", "wide"): 0.05}
 #: async and ssp lr of (--optimizer, --model) where tuned on a grid (see the module docstring); else --lr
-DEFAULT_STALE_LR = {("adamw", "mlp"): {"async": 4e-3, "ssp": 2e-3}}
+DEFAULT_STALE_LR = {("adamw", "mlp"): {"async": 3e-3, "ssp": 2e-3}}
 OPTIMIZERS = ("adamw", "sgd")
 SCENARIOS = ("transient", "persistent")
 MODES = ("ddp", "sync", "ssp", "async")
 SPEEDUP_GOAL = 1.3
+#: figures averaged over repeated runs (--repeats)
+MEANS = ("samples_per_s", "final_loss", "wall_seconds")
 LOSS_GOAL = 1.05
 SSP_PERSISTENT_NOTE = ("no goal: SSP cannot beat a persistent straggler by design (its fast workers wait for it every "
                        "s clocks, so the job runs at the straggler's pace)")
+
+
+def combine(runs: list[dict]) -> dict:
+    """One (scenario, mode)'s figures over its repeated runs (``--repeats``).
+
+    ``samples_per_s``, ``final_loss`` and ``wall_seconds`` are the means over
+    the runs, with their sample standard deviations (``*_sd``); every other
+    figure is the first run's; ``runs`` holds each run's figures. One run is
+    returned as it is.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in MEANS:
+        values = [r[key] for r in runs]
+        out[key], out[f"{key}_sd"] = statistics.fmean(values), statistics.stdev(values)
+    out["runs"] = runs
+    return out
 
 
 def goals(results: dict) -> dict:
@@ -180,6 +206,12 @@ def cpu_ms_per_step(r: dict) -> float:
     return sum(r["worker_cpu_ms_per_step"]) / WORKERS + r.get("shards_cpu_ms_per_step", 0.0)
 
 
+def _spread(r: dict, key: str, fmt: str) -> str:
+    """``r[key]``, with ``±`` its standard deviation over repeated runs where there were some."""
+    sd = r.get(f"{key}_sd")
+    return fmt.format(r[key]) + ("" if sd is None else " ±" + fmt.format(sd))
+
+
 def report(results: dict, goal_figures: dict) -> str:
     """The figures and the goal ratios as text tables."""
     rows = []
@@ -189,8 +221,8 @@ def report(results: dict, goal_figures: dict) -> str:
             r = results[scenario][mode]
             st = r.get("staleness")
             rows.append([scenario, mode + (f" s={r['staleness_bound']}" if mode == "ssp" else ""),
-                         f"{r['samples_per_s']:.0f}", f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}",
-                         f"{r['final_loss']:.4f}", f"{r['final_loss'] / ddp['final_loss']:.3f}",
+                         _spread(r, "samples_per_s", "{:.0f}"), f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}",
+                         _spread(r, "final_loss", "{:.4f}"), f"{r['final_loss'] / ddp['final_loss']:.3f}",
                          f"{r['wall_seconds']:.2f}", "/".join(map(str, r["steps_per_worker"])),
                          f"{st['mean']:.2f}/{st['max']}" if st else "-",
                          f"{sum(r['other_ms_per_step']) / WORKERS:.1f}", f"{cpu_ms_per_step(r):.1f}"])
@@ -199,6 +231,9 @@ def report(results: dict, goal_figures: dict) -> str:
     text += ("\n(non-sleep ms/step: a worker's time per step outside the simulated compute, mean over workers; "
              "CPU ms/step:\n a worker process's CPU time per step, mean over workers, plus the shard processes' per "
              "step)")
+    if any("runs" in r for figures in results.values() for r in figures.values()):
+        text += ("\n(samples/s and final loss: mean ± standard deviation over the repeated runs; steps/worker, "
+                 "staleness and ms/step: the first run's)")
     notes = [g["note"] for g in goal_figures.values() if g.get("note")]
     goal_rows = [[name, f"{g['value']:.3f}", g["goal"] or "-",
                   "-" if g["met"] is None else ("yes" if g["met"] else "NO"),
@@ -220,7 +255,7 @@ def main() -> None:
                    help="adamw (default) or sgd (momentum 0.9), the same in every mode")
     p.add_argument("--lr", type=float, help="learning rate of every mode (default: adamw 3e-3, 1e-3 with "
                    "--model wide; sgd 0.05)")
-    p.add_argument("--async-lr", type=float, help="learning rate of async (default: adamw mlp 4e-3, else --lr; "
+    p.add_argument("--async-lr", type=float, help="learning rate of async (default: adamw mlp 3e-3, else --lr; "
                    "see the module docstring)")
     p.add_argument("--ssp-lr", type=float, help="learning rate of ssp (default: adamw mlp 2e-3, else --lr)")
     p.add_argument("--base-seconds", type=float, default=0.1, help="simulated compute per step (default 0.1)")
@@ -233,6 +268,9 @@ def main() -> None:
                    "2016; default on)")
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="learning rate over the sample budget, the same in every mode (default constant)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every (scenario, mode), interleaved; samples/s, final loss and wall time are their "
+                   "means (default 1; async/ssp losses vary from run to run)")
     p.add_argument("--run-timeout", type=float, default=180.0,
                    help="seconds one (scenario, mode) may take before the benchmark gives up (default 180)")
     args = p.parse_args()
@@ -243,8 +281,8 @@ def main() -> None:
         args.async_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["async"] if tuned else args.lr
     if args.ssp_lr is None:
         args.ssp_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["ssp"] if tuned else args.lr
-    if args.steps < 1 or args.batch_size < 1 or args.staleness < 0 or args.base_seconds < 0:
-        p.error("--steps and --batch-size must be >= 1, --staleness and --base-seconds >= 0")
+    if args.steps < 1 or args.batch_size < 1 or args.repeats < 1 or args.staleness < 0 or args.base_seconds < 0:
+        p.error("--steps, --batch-size and --repeats must be >= 1, --staleness and --base-seconds >= 0")
     params = sum(q.numel() for q in make_model(args.model).parameters())
     initial_loss = eval_loss(args.model, make_model(args.model))
     print(f"{args.model}: {params / 1e3:.0f} k parameters, {WORKERS} workers, {SHARDS} shards, {args.steps} steps x "
@@ -260,11 +298,13 @@ def main() -> None:
     try:
         clusters.prepare()  # the first shardps run's cluster starts while the workers do
         workers.start()
-        plan = [(scenario, mode) for scenario in SCENARIOS for mode in MODES]
+        # repeats interleaved (every mode once, then again), so that drift of the machine reaches every mode alike
+        plan = [(scenario, mode) for scenario in SCENARIOS for _ in range(args.repeats) for mode in MODES]
+        runs: dict[tuple[str, str], list[dict]] = {}
         for i, (scenario, mode) in enumerate(plan):
             shardps_later = any(m != "ddp" for _, m in plan[i + 1:])
             r = run_one(workers, clusters, args, scenario, mode, shardps_later)
-            results.setdefault(scenario, {})[mode] = r
+            runs.setdefault((scenario, mode), []).append(r)
             st = r.get("staleness")
             print(f"[{time.monotonic() - began:6.1f} s] {scenario:<10} {mode:<5} {r['samples_per_s']:7.0f} samples/s  "
                   f"final loss {r['final_loss']:.4f}  wall {r['wall_seconds']:.2f} s  steps {r['steps_per_worker']}  "
@@ -274,6 +314,8 @@ def main() -> None:
     finally:
         workers.stop()
         clusters.stop_all()
+    for (scenario, mode), done in runs.items():
+        results.setdefault(scenario, {})[mode] = combine(done)
     goal_figures = goals(results)
     print()
     print(report(results, goal_figures))
@@ -287,7 +329,7 @@ def main() -> None:
                    "base_seconds": args.base_seconds, "slow_factor": args.slow_factor,
                    "persistent_factor": args.persistent_factor, "persistent_straggler": PERSISTENT_STRAGGLER,
                    "staleness_bound": args.staleness, "scale_lr_by_staleness": args.scale_lr_by_staleness,
-                   "schedule": args.schedule,
+                   "schedule": args.schedule, "repeats": args.repeats,
                    "seed": SEED, "initial_loss": initial_loss},
         **results["transient"],
         "persistent": results["persistent"],

@@ -79,3 +79,38 @@ def test_straggler_benchmark(tmp_path: Path) -> None:
     expected = persistent["async"]["samples_per_s"] / persistent["ddp"]["samples_per_s"]
     assert math.isclose(goals["persistent_async_samples_per_s_vs_ddp"]["value"], expected)
     assert "samples/s" in stdout and "persistent" in stdout
+
+
+def _benchmark_module(name: str):
+    """Import ``benchmarks/<name>.py`` (the benchmarks import each other by file name)."""
+    import importlib
+
+    saved = list(sys.path)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved  # straggler.py adds its folder too
+
+
+def test_repeated_runs_are_averaged_and_the_cosine_schedule_goes_by_round() -> None:
+    """``--repeats``: means and sample standard deviations of samples/s, loss and wall time, each run kept;
+    ``--schedule cosine``: factor 1 at the first round, falling every round towards 0 at the budget's end, the same
+    for every batch of a round."""
+    straggler, job = _benchmark_module("straggler"), _benchmark_module("straggler_job")
+    runs = [{"samples_per_s": s, "final_loss": loss, "wall_seconds": w, "steps_per_worker": [k, 2, 3]}
+            for k, (s, loss, w) in enumerate([(300.0, 0.70, 10.0), (400.0, 0.80, 8.0), (500.0, 0.75, 6.0)])]
+    combined = straggler.combine(runs)
+    assert combined["samples_per_s"] == pytest.approx(400.0) and combined["samples_per_s_sd"] == pytest.approx(100.0)
+    assert combined["final_loss"] == pytest.approx(0.75) and combined["final_loss_sd"] == pytest.approx(0.05)
+    assert combined["wall_seconds"] == pytest.approx(8.0) and combined["wall_seconds_sd"] == pytest.approx(2.0)
+    assert combined["runs"] == runs and combined["steps_per_worker"] == [0, 2, 3]
+    assert straggler.combine(runs[:1]) is runs[0]
+
+    budget = 3 * 10
+    factors = [job.lr_factor("cosine", i, budget) for i in range(budget)]
+    assert factors[0] == factors[2] == 1.0 and factors[3] < 1.0
+    assert all(factors[3 * k] == factors[3 * k + 1] == factors[3 * k + 2] for k in range(10))
+    assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 9 / 10)))
+    assert all(a > b for a, b in zip(factors[::3], factors[3::3]))
+    assert {job.lr_factor("constant", i, budget) for i in range(budget)} == {1.0}
