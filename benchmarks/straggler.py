@@ -1,4 +1,4 @@
-"""Straggler benchmark: torch DDP vs shardps sync, ssp and async with a slow worker, one run.
+"""Straggler benchmark: torch DDP vs shardps sync, ssp and async with a slow worker, in one invocation.
 
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
         [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
@@ -71,14 +71,14 @@ as in ``benchmarks/train.py``; ``--optimizer sgd`` is SGD with momentum 0.9
 SGD 0.01 .. 0.1) that gave ddp/sync the lowest final loss (chosen with 20 ms
 of simulated compute; the losses do not depend on it). async and ssp get
 their own lr, as one tunes each method when comparing them (``--async-lr``,
-``--ssp-lr``): with AdamW on the MLP, async 3e-3 (the same as ddp's) and
-ssp 2e-3, the best mean final losses in the transient scenario at the
-default sizes (ssp's 2e-3 to 3e-3 are equal within the noise). An async or ssp loss moves by up to 0.05 from run to run
-with the order in which pushes land, so each lr was run 3 times or more:
-async 1.5e-3: 0.833, 2e-3: 0.777, 2.5e-3: 0.790, 3e-3: 0.762, 4e-3: 0.789
-(5 runs, 0.761-0.825); ssp 1.5e-3: 0.768, 2e-3: 0.750 (7 runs,
-0.722-0.766), 2.5e-3: 0.739, 3e-3: 0.751 (ddp: 0.737). ``--repeats N``
-runs every mode N times and reports the means. Other
+``--ssp-lr``): with AdamW on the MLP, async 3e-3 (the same as ddp's), the
+best mean final loss of its grid in the transient scenario at the default
+sizes, and ssp 2e-3 (its 2e-3 to 3e-3 are equal within the noise). An async or
+ssp loss moves by up to 0.06 from run to run with the order in which pushes
+land, so each lr was run 3 times or more: async 1.5e-3: 0.833, 2e-3: 0.777,
+2.5e-3: 0.790, 3e-3: 0.762, 4e-3: 0.789 (5 runs, 0.761-0.825); ssp 1.5e-3:
+0.768, 2e-3: 0.750 (7 runs, 0.722-0.766), 2.5e-3: 0.739, 3e-3: 0.751 (ddp:
+0.737). ``--repeats N`` runs every mode N times and reports the means. Other
 optimizers and models use ``--lr``. That lr is divided by each push's
 staleness on the shards (``scale_lr_by_staleness``, Zhang et al.,
 "Staleness-aware Async-SGD", IJCAI 2016; ``--no-scale-lr-by-staleness``
@@ -92,7 +92,7 @@ with AdamW (whose step size does not depend on the gradient's scale) it
 ends at 0.77 against 0.74.
 
 The lr is constant by default. ``--schedule cosine`` decays it over the
-sample budget, from the lr to 0, by the batch's number, so every mode
+sample budget, from the lr towards 0, by the batch's number, so every mode
 trains each batch with the same factor. It does not close the gap. In
 transient runs at 20 ms, with each mode's best lr on a grid (ddp 3e-3 ..
 2e-2, async and ssp 3e-3 .. 1e-2, async and ssp twice at 6e-3 and 8e-3),

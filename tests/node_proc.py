@@ -151,39 +151,52 @@ def split_with_clipping(i: int, out: str) -> None:
 
 RESTART_STEPS = 10
 RESTART_AT = 4
+#: shard 1 checkpoints every 3 rounds: killed at version 4, it comes back at version 3
+RESTART_CHECKPOINT_EVERY = 3
+
+
+def _pause(i: int, out: str, tell: str, wait_for: str) -> None:
+    """Every rank: the leader writes ``<out>/<tell>``, then all wait (60 s at most) for the test's ``<out>/<wait_for>``."""
+    import time
+
+    dist.barrier()
+    if i == 0:
+        open(f"{out}/{tell}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{out}/{wait_for}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.barrier()
 
 
 def shard_restarts(i: int, address: str, out: str) -> None:
     """Local rank ``i`` of one split node whose shard 1 is SIGKILLed and restarted from its checkpoint.
 
     Before step ``RESTART_AT`` the leader writes ``<out>/restart-now`` and every
-    rank waits for ``<out>/restarted`` (the test restarts the shard meanwhile).
-    Training goes on with the same batch every step; a step that raises
-    (none should: the leader rejoins the shard inside the step) is recorded
-    and the loop carries on, as a training loop that catches the error would. Writes ``<out>/restart-<i>.json`` (each step's outcome and
-    loss, the leader's per-shard versions) and ``<out>/restart-<i>.pt`` (the
-    final parameters).
+    rank waits for ``<out>/restarted`` (the test restarts the shard meanwhile);
+    after it, each rank writes its parameters to ``<out>/restart-at-<i>.pt``,
+    the leader writes ``<out>/stepped`` and every rank waits for
+    ``<out>/checked``. Training goes on with the same batch every step; a
+    step that raises (none should: the leader rejoins the shard inside the
+    step) is recorded and the loop carries on, as a training loop that
+    catches the error would. Writes ``<out>/restart-<i>.json`` (each step's
+    outcome and loss, the leader's per-shard versions) and
+    ``<out>/restart-<i>.pt`` (the final parameters).
     """
-    import time
-
     _join_node(i, out, "restart")
     outcomes, losses, versions = [], [], []
     try:
         model, node_opt, x, y = _split_node(address, retry_seconds=30.0)
         for step in range(RESTART_STEPS):
             if step == RESTART_AT:
-                dist.barrier()
-                if i == 0:
-                    open(f"{out}/restart-now", "w").close()
-                deadline = time.monotonic() + 60
-                while not os.path.exists(f"{out}/restarted") and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                dist.barrier()
+                _pause(i, out, "restart-now", "restarted")
             node_opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x[0, i * 6:(i + 1) * 6]), y[0, i * 6:(i + 1) * 6])
             loss.backward()
             losses.append(loss.item())
             outcomes.append(_step(node_opt))
+            if step == RESTART_AT:  # the test compares both ranks' model with the shards' now
+                torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out}/restart-at-{i}.pt")
+                _pause(i, out, "stepped", "checked")
         versions = list(node_opt.inner.versions) if node_opt.inner is not None else []
         node_opt.close()
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, f"{out}/restart-{i}.pt")

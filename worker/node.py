@@ -28,7 +28,8 @@ How a step runs (:meth:`NodeOptimizer.step`), by chunk ownership (the default):
    the buffers' chunks likewise, so every rank holds the whole new model.
 
 The leader (local rank 0) alone joins the shards, heartbeats, and rejoins a
-shard that restarted (between steps; it then broadcasts its whole state).
+shard its heartbeats found restarted (between steps; it then broadcasts its
+whole state).
 A shard that restarted or dropped the connection during a round is
 rejoined by the leader inside that step (its partition pulled and broadcast;
 the round is not sent to it again), as ``DistributedOptimizer`` does, and the
@@ -236,13 +237,18 @@ class NodeOptimizer:
             at += t.numel()
 
     def step(self) -> None:
-        """Average the gradients over the local ranks, push and pull on the leader, broadcast the result.
+        """Average the gradients over the local ranks, push and pull the shards, give every rank the result.
 
-        Collective over the node's group; blocks until every rank holds the new parameters.
+        Collective over the node's group; blocks until every rank holds the new
+        parameters. By chunk ownership (``split``) every rank pushes and pulls
+        its own shards; else the leader pushes and pulls them all. A shard that
+        restarted or dropped the connection is rejoined within the step, which
+        then succeeds (module docstring).
 
         Raises:
-            RuntimeError: the leader's push or pull failed (raised on every rank; the
-                leader raises the shard's error itself).
+            ShardRpcError, RuntimeError: a push or pull failed and was not recovered,
+                raised on every rank: the rank that talked to the shard raises the
+                shard's error, the others a RuntimeError naming it.
         """
         if self.split:
             self._step_split()
@@ -348,9 +354,9 @@ class NodeOptimizer:
         owners, as after a good step. The leader then rejoins each failed shard
         whose error is a restart or a dropped connection and pulls its current
         version (:meth:`_rejoin_failed`), as a ``DistributedOptimizer`` does
-        inside its step: the round is not sent to it again. If every failed
-        shard was rejoined, the leader broadcasts the whole model and the step
-        succeeds on every rank.
+        inside its step: the round is not sent to it again. If it rejoined any,
+        it broadcasts the whole model (so every rank holds what it pulled), and
+        if every failed shard was rejoined the step succeeds on every rank.
 
         Args:
             received: each shard's new version, -1 where its push or pull failed.
@@ -371,9 +377,10 @@ class NodeOptimizer:
         self._gather_shares()
         box = [self._rejoin_failed(received, everyone) if self.inner is not None else None]
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
-        versions, left = box[0]
-        if not left:
+        versions, left, rejoined = box[0]
+        if rejoined:
             self._broadcast_state()  # the rejoined shards' partitions, pulled by the leader
+        if not left:
             return versions
         own = [e for s, e in failed if s in {shard for _, shard, _ in left}]
         if own:
@@ -382,34 +389,39 @@ class NodeOptimizer:
             f"local rank {r}, shard {s}: {m}" for r, s, m in left))
 
     def _rejoin_failed(self, received: list[int], everyone: list[tuple[int, int, str, str]]
-                       ) -> tuple[list[int], list[tuple[int, int, str]]]:
-        """Leader: rejoin the failed shards that restarted or dropped the connection (``Recovery.rejoinable``).
+                       ) -> tuple[list[int], list[tuple[int, int, str]], bool]:
+        """Leader: rejoin the failed shards that restarted or dropped the connection (``Recovery.recover_one``).
 
-        A shard that cannot be rejoined now (still down past the retry budget) is
-        rejoined at the next step; any other failure on a round that other shards
-        applied leaves the partitions at different versions: the job is marked
-        diverged, as ``DistributedOptimizer`` does.
+        A shard still unreachable past the retry budget is rejoined between the
+        next steps; any other failure on a round that other shards applied
+        leaves the partitions at different versions: the job is marked
+        diverged, as ``DistributedOptimizer`` does. Never raises (every rank
+        waits for its answer).
 
         Args:
             received: each shard's new version, -1 where it failed.
             everyone: every rank's failures, ``(local rank, shard, status code name or "", message)``.
 
         Returns:
-            ``(versions, left)``: each shard's version now, and the failures not recovered
-            (``(local rank, shard, message)``).
+            ``(versions, left, rejoined)``: each shard's version now, the failures not
+            recovered (``(local rank, shard, message)``), and whether any shard was rejoined.
         """
         inner = self.inner
         versions = [v if v >= 0 else old for v, old in zip(received, inner.versions)]
-        left, other = [], []
+        left, other, rejoined = [], [], False
         for r, s, code, m in everyone:
             try:
-                if inner._recovery.rejoinable(s, grpc.StatusCode[code] if code else None):
-                    versions[s] = inner._recovery.rejoin(s, f"{code} in a round pushed by local rank {r} ({m[:200]})")
-                    continue
+                why = f"{code} in a round pushed by local rank {r} ({m[:200]})"
+                outcome, value = inner._recovery.recover_one(s, grpc.StatusCode[code] if code else None, why)
+            except Exception as exc:  # e.g. the shard came back without the job's state
+                outcome, value = "other", exc
+            if outcome == "rejoined":
+                versions[s], rejoined = value, True
+                continue
+            if value is not None:
+                m = f"{m}; rejoining it failed: {type(value).__name__}: {value}"
+            if outcome == "other":
                 other.append((s, m))
-            except Exception as exc:  # still down: rejoined between steps, at the next step()
-                inner._recovery.restarted.add(s)
-                m = f"{m}; rejoining it failed: {type(exc).__name__}: {exc}"
             left.append((r, s, m))
         inner.versions = versions
         applied = [s for s, v in enumerate(received) if v >= 0]
@@ -417,7 +429,7 @@ class NodeOptimizer:
             inner._diverged = (
                 f"shard(s) {applied} applied the round but shard {other[0][0]} failed it ({other[0][1]}): the model's "
                 f"partitions are at different versions {versions}; restore the job from a checkpoint")
-        return versions, left
+        return versions, left, rejoined
 
     def _gather_shares(self) -> None:
         """All-gather: every shard's range of the parameters, and its buffer chunks, from the rank that pulled them."""

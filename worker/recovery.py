@@ -21,8 +21,11 @@ The rule, per shard (each shard decides alone; no worker is ever restarted):
   round it was collecting still counts this worker's push if it arrived
   whole, and never twice (the shard's ``(worker_id, round)`` dedup).
 - A shard that came back empty, or with another job, is refused loudly
-  (``RuntimeError`` naming the fix); so is one that stays unreachable past
-  the retry budget (``ShardRpcError``).
+  (``RuntimeError`` naming the fix).
+- A shard that stays unreachable past the retry budget makes the step raise
+  ``ShardRpcError``; the other shards' part of that round counted (their
+  versions are recorded), and every later step tries to rejoin it again at
+  its end, raising while it is down, until it is back.
 
 The heartbeat thread (``lease.py``) tells a restarted shard from a lost
 membership by the incarnation in the shard's Stats, and records the shard
@@ -44,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: Codes of a failed round that may mean the shard restarted (then checked against its incarnation).
 _MAYBE_RESTARTED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED})
+#: Codes of a rejoin that failed because the shard is still down (tried again between the next steps).
+_STILL_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class Recovery:
@@ -91,21 +96,51 @@ class Recovery:
                     version)
         return version
 
-    def recover(self, failed: list[tuple[int, BaseException]]) -> tuple[dict[int, int], list]:
+    def recover(self, failed: list[tuple[int, BaseException]]) -> tuple[dict[int, int], list, list]:
         """Rejoin the shards whose round failed because they restarted or were unreachable.
 
         Returns:
-            ``({shard: version now}, [(shard, error) ...])``: the shards rejoined,
-            and the failures that are not a restart (the caller raises them).
+            ``({shard: version now}, down, other)``: the shards rejoined; ``down``, the
+            ``(shard, error)`` of shards still unreachable past the retry budget (marked
+            in :attr:`restarted`: rejoined between the next steps); ``other``, the failures
+            that are not a restart (the caller raises them).
+
+        Raises:
+            RuntimeError: a shard came back without the job's state (see
+                :func:`shardps.worker.join.rejoin_shard`).
         """
-        rejoined, left = {}, []
+        rejoined, down, other = {}, [], []
         for shard, error in failed:
-            code = getattr(error, "code", None)
-            if isinstance(error, ShardRpcError) and self.rejoinable(shard, code):
-                rejoined[shard] = self.rejoin(shard, f"{code.name} in a round ({error.details[:200]})")
+            code = error.code if isinstance(error, ShardRpcError) else None
+            why = f"{code.name} in a round ({error.details[:200]})" if code else ""
+            outcome, value = self.recover_one(shard, code, why)
+            if outcome == "rejoined":
+                rejoined[shard] = value
             else:
-                left.append((shard, error))
-        return rejoined, left
+                (down if outcome == "down" else other).append((shard, value or error))
+        return rejoined, down, other
+
+    def recover_one(self, shard: int, code: grpc.StatusCode | None, why: str) -> tuple[str, object]:
+        """Rejoin shard ``shard`` if its round failed with ``code`` because it restarted or was unreachable.
+
+        Returns:
+            ``("rejoined", version now)``; ``("down", ShardRpcError)`` when it stays
+            unreachable past the retry budget (then marked in :attr:`restarted`);
+            ``("other", None)`` when ``code`` is not a restart, or ``("other", error)``
+            when the shard answered the rejoin with an error that is not.
+
+        Raises:
+            RuntimeError: the shard came back without the job's state.
+        """
+        try:
+            if not self.rejoinable(shard, code):
+                return "other", None
+            return "rejoined", self.rejoin(shard, why)
+        except ShardRpcError as exc:
+            if exc.code in _STILL_DOWN:
+                self.restarted.add(shard)
+                return "down", exc
+            return "other", exc
 
     def rejoinable(self, shard: int, code: grpc.StatusCode | None) -> bool:
         """Whether a round that failed on shard ``shard`` with ``code`` is a restart or a dropped connection.

@@ -146,10 +146,12 @@ class RoundSteps:
 
         Every shard's outcome is awaited, not only the first failure. A shard
         that restarted or dropped the connection is joined again and its
-        current version pulled (``shardps.worker.recovery``). If some shards
-        applied the round and others failed it for another reason, the
-        model's partitions are at different versions and every later step
-        raises (sync training cannot go on from a half-applied round).
+        current version pulled (``shardps.worker.recovery``); one still
+        unreachable past the retry budget makes this step raise and is
+        rejoined before the next one. If some shards applied the round and
+        others failed it for another reason, the model's partitions are at
+        different versions and every later step raises (sync training cannot
+        go on from a half-applied round).
         """
         rnd, self._pulling = self._pulling, None
         if rnd is not None:
@@ -157,11 +159,11 @@ class RoundSteps:
             if not failed:
                 self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
                                         sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))
-            rejoined, failed = self._recovery.recover(failed) if failed else ({}, failed)
+            rejoined, down, other = self._recovery.recover(failed) if failed else ({}, [], [])
             self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
-            if failed:
-                shard, error = failed[0]
-                if applied:
+            if other or down:
+                shard, error = (other or down)[0]
+                if other and applied:
                     self._diverged = (
                         f"shard(s) {sorted(applied)} applied round {applied[min(applied)] - 1} but shard {shard} "
                         f"failed it ({error}): the model's partitions are at different versions {self.versions}; "

@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("ddp", "sync", "ssp", "async")
 STEPS = 8
-#: simulated compute per step (the benchmark's default is 20 ms): large enough that the straggler's cost, not the
+#: simulated compute per step (the benchmark's default is 100 ms): large enough that the straggler's cost, not the
 #: communication overhead of a loaded 2-core machine, sets the pace of the steps
 BASE_SECONDS = 0.08
 

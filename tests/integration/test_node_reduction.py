@@ -124,33 +124,48 @@ def test_split_refuses_clipping(tmp_path: Path) -> None:
     assert outcome.startswith("ValueError: split=True cannot clip"), outcome
 
 
-def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_within_the_step(start_cluster, tmp_path: Path) -> None:
+def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_within_the_step(
+        start_cluster, tmp_path: Path) -> None:
     """Shard 1 (owned by local rank 1) is SIGKILLed between steps and restarted on its port from its checkpoint.
 
-    The shards' lease is 300 s, so the leader's heartbeat (every 100 s) does
-    not see the new process first: the next round's push to shard 1 fails on
-    local rank 1, and the leader rejoins the shard inside that same step,
-    pulls its restored partition and broadcasts the model, as a
+    Shard 1 checkpoints every 3 rounds and is killed at version 4, so it comes
+    back at version 3, behind the model every rank holds. The shards' lease
+    is 300 s, so the leader's heartbeat (every 100 s) does not see the new
+    process first: the next round's push to shard 1 fails on local rank 1,
+    and the leader rejoins the shard inside that same step, pulls its
+    restored partition and broadcasts the model, as a
     ``DistributedOptimizer`` recovers inside its step. Checked: no step
-    raises on either rank; the round of that step counted on shard 0 only
-    (versions [10, 9]); both ranks end bit for bit equal to each other and to
-    the model the shards hold; shard 1 resumed from its checkpoint of the
-    last round; the loss falls.
+    raises on either rank; right after that step both ranks hold bit for bit
+    the model the shards hold (shard 1's range at version 3: the leader's
+    pull and its broadcast both happened); the round of that step counted on
+    shard 0 only (final versions [10, 8]); both ranks end bit for bit equal
+    to each other and to the shards' model; the loss falls.
     """
     from shardps.worker.export import from_servers
     from tests.procs import shard_stats, wait_until
 
+    def same_model(params: list[dict], when: str) -> None:
+        held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict
+        for key, value in params[0].items():
+            assert torch.equal(value, params[1][key]), f"{when}, {key}: the local ranks differ"
+            assert torch.equal(value, held[key]), f"{when}, {key}: the node's model differs from the shards'"
+
+    every = node_proc.RESTART_CHECKPOINT_EVERY
     cluster = start_cluster(2, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"),
-                                           "--checkpoint-every-rounds", "1", "--lease-seconds", "300"))
+                                           "--checkpoint-every-rounds", str(every), "--lease-seconds", "300"))
     context = mp.start_processes(node_proc.shard_restarts, args=(cluster.servers, str(tmp_path)), nprocs=2,
                                  join=False, start_method=START)
+    checkpointed = node_proc.RESTART_AT // every * every
     try:
         wait_until(lambda: (tmp_path / "restart-now").exists(), 120, "the node to reach the restart step")
-        wait_until(lambda: (lambda s: s.checkpoint_version == s.version == node_proc.RESTART_AT)(
-            shard_stats(cluster.addresses)[1]), 30, "shard 1's checkpoint of the last round")
+        wait_until(lambda: (lambda s: (s.checkpoint_version, s.version) == (checkpointed, node_proc.RESTART_AT))(
+            shard_stats(cluster.addresses)[1]), 30, f"shard 1's checkpoint of round {checkpointed}")
         cluster.restart(1, same_port=True)
         restored = shard_stats(cluster.addresses)[1]
         (tmp_path / "restarted").touch()
+        wait_until(lambda: (tmp_path / "stepped").exists(), 60, "the step after the restart")
+        same_model([torch.load(tmp_path / f"restart-at-{i}.pt") for i in range(2)], "after the restart's step")
+        (tmp_path / "checked").touch()
         deadline = time.monotonic() + 180
         while not context.join(timeout=1):
             assert time.monotonic() < deadline, "the node did not finish within 180 s"
@@ -158,16 +173,14 @@ def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_wi
         for p in context.processes:
             if p.is_alive():
                 p.kill()
-    assert restored.restored_version == node_proc.RESTART_AT and list(restored.rejoining) == ["node0"]
+    assert restored.restored_version == checkpointed < node_proc.RESTART_AT
+    assert list(restored.rejoining) == ["node0"]
     runs = [json.loads((tmp_path / f"restart-{i}.json").read_text()) for i in range(2)]
     for r in runs:
         assert r["outcomes"] == ["ok"] * node_proc.RESTART_STEPS, r["outcomes"]
         assert r["losses"][-1] < r["losses"][0] / 2, r["losses"]
     final = shard_stats(cluster.addresses)
     # the round of step RESTART_AT is not sent again to the restarted shard (as DistributedOptimizer does)
-    assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS, node_proc.RESTART_STEPS - 1]
-    params = [torch.load(tmp_path / f"restart-{i}.pt") for i in range(2)]
-    held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict
-    for key, value in params[0].items():
-        assert torch.equal(value, params[1][key]), f"{key}: the local ranks differ"
-        assert torch.equal(value, held[key]), f"{key}: the node's model differs from the shards'"
+    after = node_proc.RESTART_STEPS - node_proc.RESTART_AT - 1
+    assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS, checkpointed + after]
+    same_model([torch.load(tmp_path / f"restart-{i}.pt") for i in range(2)], "at the end")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shardps.worker.export import from_servers
-from tests.procs import shard_stats, start_worker
+from tests.procs import shard_stats, start_worker, wait_until
 
 STEPS = 70
 
@@ -184,3 +184,62 @@ def test_a_shard_that_comes_back_empty_is_refused_loudly(start_cluster) -> None:
     assert out.steps()[-1]["step"] < 199  # it stopped instead of training on half a model
     s0, s1 = shard_stats(cluster.addresses)
     assert s0.version > 5 and s1.plan_fingerprint == "" and not s1.initialised and list(s1.members) == []
+
+
+def test_a_shard_down_past_the_retry_budget_fails_steps_until_it_is_back(start_cluster, tmp_path: Path) -> None:
+    """One worker, shard 1 SIGKILLed and left down past the worker's 1.5 s retry budget, then restarted.
+
+    Each step while it is down raises ShardRpcError (UNAVAILABLE: the rejoin
+    at the end of the step gave up), and shard 0's part of each round counts,
+    as after any shard failure: the worker's per-shard versions follow both
+    shards, and the job is not marked diverged. Once shard 1 is back from
+    its checkpoint (version 3), the next step's push to it finds a new
+    process, the worker rejoins it within that step and the step succeeds;
+    every later step counts on both shards, and the model equals the
+    shards'. (Before, the versions of the failed step were dropped and every
+    later step failed on shard 0.)
+    """
+    import grpc
+    import torch
+
+    from shardps.worker import DistributedOptimizer
+    from shardps.worker.client import ShardRpcError
+
+    args = ("--checkpoint-dir", str(tmp_path), "--checkpoint-every-rounds", "1")
+    cluster = start_cluster(2, min_workers=1, extra_args=args)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model.named_parameters(),
+                               servers=cluster.servers, worker_id="w0", chunk_bytes=1024, retry_seconds=1.5,
+                               rpc_timeout=10.0)
+    try:
+        assert min(opt.plan.shard_bytes()) > 0  # both shards hold parameters
+        first = [step() for _ in range(3)]
+        assert opt.versions == [3, 3]
+        wait_until(lambda: shard_stats(cluster.addresses)[1].checkpoint_version == 3, 30, "shard 1's checkpoint")
+        cluster.processes[1].kill()
+        cluster.processes[1].wait()
+        for k in range(2):
+            with pytest.raises(ShardRpcError, match="shard 1") as err:
+                step()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert opt.versions == [4 + k, 3] == [shard_stats(cluster.addresses[:1])[0].version, 3]
+        cluster.restart(1, same_port=True)
+        assert shard_stats(cluster.addresses)[1].restored_version == 3
+        last = [step() for _ in range(3)]
+        assert opt.versions == [s.version for s in shard_stats(cluster.addresses)] == [8, 5]
+        assert last[-1] < first[0]
+        held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, held[key]), f"{key}: the worker's model differs from the shards'"
+    finally:
+        opt.close()
