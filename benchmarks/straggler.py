@@ -163,7 +163,8 @@ def combine(runs: list[dict]) -> dict:
     """One (scenario, mode)'s figures over its repeated runs (``--repeats``).
 
     ``samples_per_s``, ``final_loss`` and ``wall_seconds`` are the means over
-    the runs, with their sample standard deviations (``*_sd``); every other
+    the runs (of each run's rate, for samples/s), with their sample standard
+    deviations (``*_sd``); every other
     figure is the first run's; ``runs`` holds each run's figures. One run is
     returned as it is.
     """
@@ -289,7 +290,8 @@ def main() -> None:
           f"{args.batch_size} samples per worker ({WORKERS * args.steps * args.batch_size} samples per mode), "
           f"base {args.base_seconds * 1e3:.0f} ms/step, transient x{args.slow_factor}, "
           f"persistent worker {PERSISTENT_STRAGGLER} x{args.persistent_factor}, ssp s={args.staleness}, "
-          f"{args.optimizer} lr {args.lr} (ssp {args.ssp_lr}, async {args.async_lr}), initial loss {initial_loss:.4f}", flush=True)
+          f"{args.optimizer} lr {args.lr} (ssp {args.ssp_lr}, async {args.async_lr}), "
+          f"initial loss {initial_loss:.4f}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # clean up below on SIGTERM too
     began = time.monotonic()
     results: dict[str, dict] = {}

@@ -156,7 +156,7 @@ RESTART_CHECKPOINT_EVERY = 3
 
 
 def _pause(i: int, out: str, tell: str, wait_for: str) -> None:
-    """Every rank: the leader writes ``<out>/<tell>``, then all wait (60 s at most) for the test's ``<out>/<wait_for>``."""
+    """Every rank: the leader writes ``<out>/<tell>``, then all wait (60 s at most) for ``<out>/<wait_for>``."""
     import time
 
     dist.barrier()
