@@ -125,7 +125,9 @@ Worker processes are spawned once (torch.multiprocessing, ``spawn``) and run
 every (scenario, mode) in turn; every wait is bounded (``--run-timeout``) and
 every process and cluster is stopped on exit and on error. The job (model,
 data, stragglers, each worker's loop) is in ``straggler_job.py``, the worker
-processes and clusters of one run in ``straggler_runs.py``.
+processes and clusters of one run in ``straggler_runs.py``;
+``straggler_sim.py`` simulates the same job to show what the stragglers
+allow each mode.
 """
 
 from __future__ import annotations

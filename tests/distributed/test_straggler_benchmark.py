@@ -114,3 +114,27 @@ def test_repeated_runs_are_averaged_and_the_cosine_schedule_goes_by_round() -> N
     assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 9 / 10)))
     assert all(a > b for a, b in zip(factors[::3], factors[3::3]))
     assert {job.lr_factor("constant", i, budget) for i in range(budget)} == {1.0}
+
+
+def test_the_straggler_simulation_matches_hand_computed_cases() -> None:
+    """``straggler_sim``: async with a persistent 2x straggler and no overhead finishes 30 unit steps at t = 12
+    (the two fast workers do 12 each, the slow one 6); ssp with s = 0 is a barrier at every step, so it takes
+    exactly the lockstep time; a bound larger than the budget is async; a bad budget is refused."""
+    sim, job = _benchmark_module("straggler_sim"), _benchmark_module("straggler_job")
+    persistent = {"scenario": "persistent", "persistent_factor": 2.0, "base_seconds": 1.0}
+    assert sim.claimed_seconds(lambda w, k: job.delay(persistent, w, k), 30, 0.0) == 12.0
+    assert sim.lockstep_seconds(lambda w, k: job.delay(persistent, w, k), 10, 0.0) == 20.0
+
+    draws = job.straggler_draws(90)
+    transient = {"scenario": "transient", "slow_factor": 2.5, "base_seconds": 0.1, "draws": draws}
+
+    def duration(w: int, k: int) -> float:
+        return job.delay(transient, w, k)
+
+    lockstep = sim.lockstep_seconds(duration, 30, 0.03)
+    assert sim.claimed_seconds(duration, 90, 0.03, staleness=0) == pytest.approx(lockstep)
+    assert sim.claimed_seconds(duration, 90, 0.03, staleness=1000) == sim.claimed_seconds(duration, 90, 0.03)
+    bounded = [sim.claimed_seconds(duration, 90, 0.03, staleness=s) for s in (0, 1, 3, 1000)]
+    assert bounded == sorted(bounded, reverse=True) and bounded[0] > bounded[-1]  # on this draw, looser is faster
+    with pytest.raises(ValueError, match="budget"):
+        sim.claimed_seconds(duration, 0, 0.03)
