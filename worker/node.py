@@ -64,6 +64,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.proto.plan import PartitionPlan
 from shardps.worker.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
+from shardps.worker.recovery import divergence
 from shardps.worker.retry import RetryPolicy
 from shardps.worker.shares import NodeSession, ShardShare, owner, shard_segments
 
@@ -424,11 +425,9 @@ class NodeOptimizer:
                 other.append((s, m))
             left.append((r, s, m))
         inner.versions = versions
-        applied = [s for s, v in enumerate(received) if v >= 0]
+        applied = {s: v for s, v in enumerate(received) if v >= 0}
         if other and applied:
-            inner._diverged = (
-                f"shard(s) {applied} applied the round but shard {other[0][0]} failed it ({other[0][1]}): the model's "
-                f"partitions are at different versions {versions}; restore the job from a checkpoint")
+            inner._diverged = divergence(applied, other[0][0], other[0][1], versions)
         return versions, left, rejoined
 
     def _gather_shares(self) -> None:

@@ -51,6 +51,16 @@ _MAYBE_RESTARTED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCo
 _STILL_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+def divergence(applied: dict[int, int], shard: int, error: object, versions: list[int]) -> str:
+    """Why every later step raises: shards ``applied`` (``{shard: new version}``) took a round that ``shard`` failed.
+
+    ``error`` is that failure (not a restart); ``versions`` the worker's per-shard versions now.
+    """
+    return (f"shard(s) {sorted(applied)} applied round {applied[min(applied)] - 1} but shard {shard} failed it "
+            f"({error}): the model's partitions are at different versions {versions}; restore the job from a "
+            "checkpoint")
+
+
 class Recovery:
     """Rejoins shards that restarted or dropped the connection (see the module docstring).
 

@@ -23,6 +23,7 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.optim import current_lrs
 from shardps.worker.commit import decide
+from shardps.worker.recovery import divergence
 from shardps.worker.rounds import GradientEditedError, Round, init_requests, push_requests
 
 
@@ -147,11 +148,12 @@ class RoundSteps:
         Every shard's outcome is awaited, not only the first failure. A shard
         that restarted or dropped the connection is joined again and its
         current version pulled (``shardps.worker.recovery``); one still
-        unreachable past the retry budget makes this step raise and is
-        rejoined before the next one. If some shards applied the round and
-        others failed it for another reason, the model's partitions are at
-        different versions and every later step raises (sync training cannot
-        go on from a half-applied round).
+        unreachable past the retry budget makes this step raise, and the
+        end of each later step tries again (raising while it is down). If
+        some shards applied the round and others failed it for another
+        reason, the model's partitions are at different versions and every
+        later step raises (sync training cannot go on from a half-applied
+        round).
         """
         rnd, self._pulling = self._pulling, None
         if rnd is not None:
@@ -164,11 +166,7 @@ class RoundSteps:
             if other or down:
                 shard, error = (other or down)[0]
                 if other and applied:
-                    self._diverged = (
-                        f"shard(s) {sorted(applied)} applied round {applied[min(applied)] - 1} but shard {shard} "
-                        f"failed it ({error}): the model's partitions are at different versions {self.versions}; "
-                        "restore the job from a checkpoint"
-                    )
+                    self._diverged = divergence(applied, shard, error, self.versions)
                 raise error
         if rejoin and self._recovery is not None and self._recovery.restarted:
             for shard, version in self._recovery.between_steps().items():
