@@ -204,3 +204,40 @@ def shard_restarts(i: int, address: str, out: str) -> None:
         with open(f"{out}/restart-{i}.json", "w") as f:
             json.dump({"outcomes": outcomes, "losses": losses, "versions": versions}, f)
         dist.destroy_process_group()
+
+
+def refused_rounds(i: int, address: str, out: str) -> None:
+    """Local rank ``i`` of one split node whose rounds the shards refuse (an update that overflows fp32).
+
+    The model has two keys, ``a`` on shard 0 (owned by local rank 0) and ``b``
+    on shard 1 (local rank 1); SGD, and the lr set on every rank before each
+    step. Four steps: both shards refuse; a good step; only shard 1 refuses
+    while shard 0 applies (the partitions now differ in version); a good
+    step, which must be refused by the node because the job diverged.
+    Writes ``<out>/refused-<i>.json``: each step's outcome, the parameters
+    after it, and the leader's per-shard versions after it.
+    """
+    from tests.integration.test_round_checks import TwoKeys
+
+    _join_node(i, out, "refused")
+    record: list[dict] = []
+    try:
+        model = TwoKeys()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0", chunk_bytes=64,
+                                 rpc_timeout=10.0, retry_seconds=2.0)
+        for lr, loss in [(1e38, lambda: -(model.a.sum() + model.b.sum()) * 1e30),  # both shards overflow
+                         (0.1, lambda: -(model.a.sum() + model.b.sum())),
+                         (1e38, lambda: -model.b.sum() * 1e30),  # only b (shard 1) overflows
+                         (0.1, lambda: -(model.a.sum() + model.b.sum()))]:
+            opt.param_groups[0]["lr"] = lr
+            node_opt.zero_grad()
+            loss().backward()
+            outcome = _step(node_opt)
+            record.append({"outcome": outcome, "a": model.a.tolist(), "b": model.b.tolist(),
+                           "versions": list(node_opt.inner.versions) if node_opt.inner is not None else []})
+        node_opt.close()
+    finally:
+        with open(f"{out}/refused-{i}.json", "w") as f:
+            json.dump(record, f)
+        dist.destroy_process_group()

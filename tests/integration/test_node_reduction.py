@@ -12,7 +12,8 @@ scheduler; the leader's ``state_dict()`` equals the single process's
 optimizer state. Failures: a leader that cannot join, a shard SIGKILLed
 under a split node, a shard restarted from its checkpoint under a split node
 (rejoined inside the step that found it: no step fails, both ranks equal the
-shards' model), split with clipping.
+shards' model), rounds refused by every shard or by one shard only (the job
+diverged: every later step raises on every rank), split with clipping.
 """
 
 from __future__ import annotations
@@ -184,3 +185,40 @@ def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_wi
     after = node_proc.RESTART_STEPS - node_proc.RESTART_AT - 1
     assert [s.version for s in final] == runs[0]["versions"] == [node_proc.RESTART_STEPS, checkpointed + after]
     same_model([torch.load(tmp_path / f"restart-{i}.pt") for i in range(2)], "at the end")
+
+
+def test_refused_rounds_under_a_split_node_and_a_round_applied_by_one_shard_only(start_cluster, tmp_path: Path
+                                                                                ) -> None:
+    """The node's rule for refused rounds is DistributedOptimizer's (test_round_checks): a round every shard
+    refused changes nothing and training goes on; a round that shard 1 refused but shard 0 applied raises on
+    both ranks, and every later step raises on both ranks naming the divergence. Both ranks hold the same
+    parameters after every step, and nobody waits for the other."""
+    cluster = start_cluster(2, min_workers=1)
+    mp.start_processes(node_proc.refused_rounds, args=(cluster.servers, str(tmp_path)), nprocs=2, join=True,
+                       start_method=START)
+    leader, other = (json.loads((tmp_path / f"refused-{i}.json").read_text()) for i in (0, 1))
+    assert len(leader) == len(other) == 4, (leader, other)
+    for mine, theirs in zip(leader, other):
+        assert (mine["a"], mine["b"]) == (theirs["a"], theirs["b"]), (mine, theirs)
+    # 1. both shards refused round 0: each rank raises the error of the shard it pushed to; nothing changed
+    assert leader[0]["outcome"].startswith("ShardRpcError: shard 0") and "round 0 was refused" in leader[0]["outcome"]
+    assert other[0]["outcome"].startswith("ShardRpcError: shard 1") and "round 0 was refused" in other[0]["outcome"]
+    assert leader[0]["versions"] == [0, 0] and leader[0]["a"] == [1.0] * 8 and leader[0]["b"] == [1.0] * 8
+    # 2. a good round is applied by both
+    assert leader[1]["outcome"] == other[1]["outcome"] == "ok"
+    assert leader[1]["versions"] == [1, 1]
+    assert leader[1]["a"] == pytest.approx([1.1] * 8) and leader[1]["b"] == pytest.approx([1.1] * 8)
+    # 3. shard 1 refused round 1, shard 0 applied it: both ranks raise, the leader naming local rank 1's failure
+    assert other[2]["outcome"].startswith("ShardRpcError: shard 1") and "round 1 was refused" in other[2]["outcome"]
+    assert leader[2]["outcome"].startswith("RuntimeError: the node's round failed on local rank 1, shard 1"), leader
+    assert leader[2]["versions"] == [2, 1] and leader[2]["b"] == leader[1]["b"]
+    # 4. the job diverged: every later step raises on both ranks, and no shard takes the round
+    diverged = "shard(s) [0] applied round 1 but shard 1 failed it"
+    assert leader[3]["outcome"].startswith("RuntimeError: " + diverged), leader[3]
+    assert other[3]["outcome"].startswith("RuntimeError: the node leader (local rank 0) failed: RuntimeError: "
+                                          + diverged), other[3]
+    assert leader[3]["versions"] == [2, 1] and (leader[3]["a"], leader[3]["b"]) == (leader[2]["a"], leader[2]["b"])
+    for shard, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=shard)
+        assert client.stats().version == [2, 1][shard]
+        client.close()
