@@ -1,9 +1,9 @@
-"""One local rank of a 2 nodes x 2 local ranks job for the node-reduction oracle (run with torch.multiprocessing).
+"""One local rank of a 2 nodes x L local ranks job for the node-reduction oracle (run with torch.multiprocessing).
 
-Process ``i`` is local rank ``i % 2`` of node ``i // 2``; each node has its
-own process group (Gloo on CPU, NCCL on CUDA) and joins the shards as one
-contributor ``node<n>``. Each rank trains on its quarter of the global batch
-and saves its final parameters to ``<out>/<name>-<i>.pt`` and the bytes it
+Process ``i`` is local rank ``i % L`` of node ``i // L``; each node has its
+own process group (Gloo on CPU, NCCL on CUDA: local rank ``r`` on GPU ``r``)
+and joins the shards as one contributor ``node<n>``. Each rank trains on its
+``1 / (2 L)`` of the global batch and saves its final parameters to ``<out>/<name>-<i>.pt`` and the bytes it
 pushed to each shard in its last step to ``<out>/<name>-<i>.pushed.json``. A
 name ``<optimizer>:leader`` runs the leader path (``split=False``).
 """
@@ -22,16 +22,17 @@ from shardps.worker.node import NodeOptimizer
 from tests.integration.test_sync_oracle import BATCH, CHUNK_BYTES, STEPS, data, make_model, make_optimizer
 
 
-def run(i: int, servers: dict[str, str], out: str, device: str) -> None:
-    node, local = divmod(i, 2)
+def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int = 2) -> None:
+    node, local = divmod(i, local_ranks)
     torch.set_num_threads(1)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, init_method=f"file://{out}/node{node}.rendezvous", rank=local, world_size=2)
+    dist.init_process_group(backend, init_method=f"file://{out}/node{node}.rendezvous", rank=local,
+                            world_size=local_ranks)
     try:
         x, y = data()
-        per = BATCH // 4
+        per = BATCH // (2 * local_ranks)
         part = slice(i * per, (i + 1) * per)
         for name, address in servers.items():
             model = make_model().to(device)

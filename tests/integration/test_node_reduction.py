@@ -36,22 +36,24 @@ START = "forkserver"
 NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
 
 
-def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
+def run_nodes(start_cluster, tmp_path: Path, device: str, local_ranks: int = 2) -> None:
+    """2 nodes x ``local_ranks`` local ranks on ``device`` for every optimizer of :data:`NAMES`: the oracle."""
+    processes = 2 * local_ranks
     clusters = {name: start_cluster(2, min_workers=2) for name in NAMES}
-    mp.start_processes(node_proc.run, args=({n: c.servers for n, c in clusters.items()}, str(tmp_path), device),
-                       nprocs=4, join=True, start_method=START)
+    mp.start_processes(node_proc.run, args=({n: c.servers for n, c in clusters.items()}, str(tmp_path), device,
+                                            local_ranks), nprocs=processes, join=True, start_method=START)
     initial = make_model()
     for name, cluster in clusters.items():
         expected, reference = train_single_with_optimizer(name.split(":")[0])
         want_state = reference.state_dict()["state"]
-        for leader in (0, 2):  # the node's optimizer state, read from the shards by its leader
+        for leader in range(0, processes, local_ranks):  # the node's optimizer state, read from the shards
             state = torch.load(tmp_path / f"{name}-{leader}.state.pt")["state"]
             assert state.keys() == want_state.keys(), (name, state.keys())
             for index, entries in want_state.items():
                 assert entries.keys() == state[index].keys(), (name, index)
                 for entry, want in entries.items():
                     assert torch.allclose(state[index][entry], want, rtol=1e-4, atol=1e-6), (name, index, entry)
-        for i in range(4):
+        for i in range(processes):
             got = torch.load(tmp_path / f"{name}-{i}.pt")
             for (key, want), init in zip(expected.named_parameters(), initial.parameters()):
                 assert (want - init).abs().max() > 1e-3, "training did not move the parameters"
@@ -61,28 +63,42 @@ def run_2x2(start_cluster, tmp_path: Path, device: str) -> None:
             client = ShardClient(address, index=shard)
             stats = client.stats()
             client.close()
-            # one contributor per node: 2 pushes per round, never 4
+            # one contributor per node: 2 pushes per round, never one per process
             assert stats.version == STEPS and stats.contributions_applied == 2 * STEPS
             assert stats.last_round_contributors == 2 and list(stats.members) == []
-        # by chunk ownership each local rank pushes only its own shard (shard s: local rank s % 2)
-        for i in range(4):
+        # by chunk ownership each local rank pushes only its own shards (shard s: local rank s % local_ranks)
+        for i in range(processes):
             pushed = json.loads((tmp_path / f"{name}-{i}.pushed.json").read_text())
             if name.endswith(":leader"):
                 assert pushed == {}, pushed
             else:
-                assert list(pushed) == [str(i % 2)] and pushed[str(i % 2)] > 0, (name, i, pushed)
+                own = [str(s) for s in range(2) if s % local_ranks == i % local_ranks]
+                assert list(pushed) == own and all(pushed[s] > 0 for s in own), (name, i, pushed)
 
 
 def test_two_nodes_of_two_local_ranks_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
-    run_2x2(start_cluster, tmp_path, "cpu")
+    run_nodes(start_cluster, tmp_path, "cpu")
+
+
+def test_two_nodes_of_one_local_rank_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
+    """The CPU twin of the one-GPU test below: a node of one local rank owns every shard."""
+    run_nodes(start_cluster, tmp_path, "cpu", local_ranks=1)
 
 
 @pytest.mark.gpu
 def test_two_nodes_of_two_local_ranks_match_single_process_nccl(start_cluster, tmp_path: Path) -> None:
     """The same oracle on CUDA tensors with NCCL (each node's two ranks on GPUs 0 and 1)."""
     if torch.cuda.device_count() < 2:
-        pytest.skip("NCCL needs a GPU per local rank: this machine has fewer than 2 GPUs")
-    run_2x2(start_cluster, tmp_path, "cuda")
+        pytest.skip("NCCL needs a GPU per local rank: this machine has fewer than 2 GPUs (the one-rank test runs)")
+    run_nodes(start_cluster, tmp_path, "cuda")
+
+
+@pytest.mark.gpu
+def test_two_nodes_of_one_local_rank_match_single_process_nccl(start_cluster, tmp_path: Path) -> None:
+    """The oracle on CUDA tensors with NCCL on a single GPU: each node is one rank on GPU 0 (NCCL allows one rank
+    per GPU in a communicator, and each node has its own); the collectives, the CUDA <-> wire copies and the
+    device of every tensor are those of the 2x2 test."""
+    run_nodes(start_cluster, tmp_path, "cuda", local_ranks=1)
 
 
 def test_a_leader_that_cannot_join_fails_every_local_rank(tmp_path: Path) -> None:
