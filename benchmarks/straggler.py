@@ -3,7 +3,7 @@
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
         [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
         [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR] [--async-lr LR] [--ssp-lr LR]
-        [--schedule constant|cosine] [--repeats 1]
+        [--schedule constant|cosine] [--repeats 3]
 
 What it measures: how much a slow worker costs each way of training with 3
 worker processes (one torch thread each) on one machine. Every step of a
@@ -78,7 +78,7 @@ ssp loss moves by up to 0.06 from run to run with the order in which pushes
 land, so each lr was run 3 times or more: async 1.5e-3: 0.833, 2e-3: 0.777,
 2.5e-3: 0.790, 3e-3: 0.762, 4e-3: 0.789 (5 runs, 0.761-0.825); ssp 1.5e-3:
 0.768, 2e-3: 0.750 (7 runs, 0.722-0.766), 2.5e-3: 0.739, 3e-3: 0.751 (ddp:
-0.737). ``--repeats N`` runs every mode N times and reports the means. Other
+0.737). ``--repeats N`` (default 3) runs every mode N times and reports the means. Other
 optimizers and models use ``--lr``. That lr is divided by each push's
 staleness on the shards (``scale_lr_by_staleness``, Zhang et al.,
 "Staleness-aware Async-SGD", IJCAI 2016; ``--no-scale-lr-by-staleness``
@@ -271,9 +271,10 @@ def main() -> None:
                    "2016; default on)")
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="learning rate over the sample budget, the same in every mode (default constant)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=int, default=3,
                    help="runs of every (scenario, mode), interleaved; samples/s, final loss and wall time are their "
-                   "means (default 1; async/ssp losses vary from run to run)")
+                   "means (default 3, about 6.5 minutes: async/ssp losses and ssp's speed vary from run to run, so "
+                   "the goals are judged on means)")
     p.add_argument("--run-timeout", type=float, default=180.0,
                    help="seconds one (scenario, mode) may take before the benchmark gives up (default 180)")
     args = p.parse_args()
