@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,11 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
                         raise AssertionError("state_dict() on a non-leader rank must refuse")
                     except RuntimeError as exc:
                         assert "local rank 0" in str(exc), exc
+                    try:  # its own step would update this rank's replica behind the node's back
+                        opt.step()
+                        raise AssertionError("the wrapped optimizer's step() on a non-leader rank must refuse")
+                    except RuntimeError as exc:
+                        assert "wrapped by a NodeOptimizer" in str(exc), exc
                     state = opt.state_dict()
                 # the usual resume call on every rank: the leader loads (its own state: accepted between rounds),
                 # the other ranks do nothing
@@ -241,4 +247,49 @@ def refused_rounds(i: int, address: str, out: str) -> None:
     finally:
         with open(f"{out}/refused-{i}.json", "w") as f:
             json.dump(record, f)
+        dist.destroy_process_group()
+
+
+def async_nodes(i: int, address: str, out: str, mode: str) -> None:
+    """Local rank ``i % 2`` of node ``i // 2``, 2 nodes x 2 local ranks by chunk ownership, in ``mode`` (async or
+    ssp with s=1): ``STEPS`` steps each on its quarter of the batch, the nodes never waiting for each other except
+    at ssp's bound. After every step both ranks of a node must hold the same parameters (checked on every rank by
+    an all-gather, and the step's error recorded otherwise). Writes ``<out>/<mode>-<i>.json``: each step's outcome
+    and loss, and the node's version after each step."""
+    node, local = divmod(i, 2)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/{mode}-node{node}.rendezvous", rank=local,
+                            world_size=2)
+    outcomes, losses, versions, warned = [], [], [], ["did not finish"]
+    try:
+        x, y = data()
+        per = BATCH // 4
+        part = slice(i * per, (i + 1) * per)
+        model = make_model()
+        opt, sched = make_optimizer("adamw", model)
+        with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
+                           chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, mode=mode,
+                           staleness=1 if mode == "ssp" else None) as node_opt:
+            caught = warnings.catch_warnings(record=True)
+            seen = caught.__enter__()
+            warnings.simplefilter("always")
+            for step in range(STEPS):
+                node_opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x[step % 4, part]), y[step % 4, part])
+                loss.backward()
+                losses.append(loss.item())
+                outcome = _step(node_opt)
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                both = [torch.empty_like(flat) for _ in range(2)]
+                dist.all_gather(both, flat)
+                if outcome == "ok" and not torch.equal(both[0], both[1]):
+                    outcome = "the local ranks hold different parameters"
+                outcomes.append(outcome)
+                versions.append(node_opt.version)
+                sched.step()  # no warning: the node's step() tells the scheduler a step happened
+            caught.__exit__(None, None, None)
+            warned = [str(w.message) for w in seen]
+    finally:
+        with open(f"{out}/{mode}-{i}.json", "w") as f:
+            json.dump({"outcomes": outcomes, "losses": losses, "versions": versions, "warnings": warned}, f)
         dist.destroy_process_group()

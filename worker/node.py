@@ -63,6 +63,7 @@ import torch.distributed as dist
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto.plan import PartitionPlan
 from shardps.worker.client import ShardClient
+from shardps.worker import state as optimizer_state
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.recovery import divergence
 from shardps.worker.retry import RetryPolicy
@@ -140,6 +141,7 @@ class NodeOptimizer:
                              "applies the round): leave split unset, or pass split=False")
         self.split = not clipping if split is None else split
         self._share: ShardShare | None = None
+        self._routed: dict | None = None  # a non-leader's optimizer methods while its step is refused
         self._failure: BaseException | None = None
         self.inner: DistributedOptimizer | None = None
         error = ""
@@ -159,6 +161,11 @@ class NodeOptimizer:
         if self.split:
             self._setup_share(named_buffers, servers if not isinstance(servers, str) else
                               [a for a in servers.split(",") if a], kwargs)
+        # the other ranks' optimizers must not step on their own either (the leader's DistributedOptimizer
+        # routes its own); their state_dict stays theirs (empty: they never step)
+        if self.rank != 0:
+            self._routed = optimizer_state.redirect(optimizer, optimizer.state_dict, optimizer.load_state_dict,
+                                                    wrapper="NodeOptimizer")
 
     def _setup_share(self, named_buffers: list, servers: list[str], kwargs: dict) -> None:
         """The leader hands out the node's session; each rank connects to the shards it owns."""
@@ -251,6 +258,7 @@ class NodeOptimizer:
                 raised on every rank: the rank that talked to the shard raises the
                 shard's error, the others a RuntimeError naming it.
         """
+        self._optimizer._opt_called = True  # tells LR schedulers attached to it that a step happened
         if self.split:
             self._step_split()
             return
@@ -552,6 +560,9 @@ class NodeOptimizer:
         if self.inner is not None:
             self.inner.close()
             self.inner = None
+        if self._routed is not None:
+            optimizer_state.restore(self._optimizer, self._routed)
+            self._routed = None
 
     def __enter__(self) -> "NodeOptimizer":
         return self

@@ -35,18 +35,21 @@ SCALAR_STATE = frozenset({"step"})
 _ROUTED = ("state_dict", "load_state_dict", "step")
 
 
-def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict) -> dict:
+def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrapper: str = "") -> dict:
     """Route the wrapped optimizer's ``state_dict``/``load_state_dict`` to the shards; make its ``step`` raise.
 
     Its own state would be empty (the shards hold it), and its own ``step``
     would update the model locally, behind the shards' back: code that calls
     ``opt.state_dict()`` or ``scaler.step(opt)`` must not silently do either.
+    ``wrapper``: the class to name in the error (default: DistributedOptimizer's advice).
 
     Returns:
         What :func:`restore` needs to undo this (the instance attributes replaced).
     """
     def step(*args, **kwargs):
         raise RuntimeError(
+            f"this optimizer is wrapped by a {wrapper}, whose shards run the update: call node_opt.step() on "
+            "every local rank" if wrapper else
             "this optimizer is wrapped by a DistributedOptimizer, whose shards run the update: call dist.step() "
             "(with a GradScaler: DistributedOptimizer(..., grad_scaler=scaler), then dist.step(); scaler.update())"
         )

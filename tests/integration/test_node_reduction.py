@@ -238,3 +238,29 @@ def test_refused_rounds_under_a_split_node_and_a_round_applied_by_one_shard_only
         client = ShardClient(address, index=shard)
         assert client.stats().version == [2, 1][shard]
         client.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_nodes_train_in_async_and_ssp_modes(start_cluster, tmp_path: Path, mode: str) -> None:
+    """2 nodes x 2 local ranks (chunk ownership) in async and in ssp (s=1): each node's push is applied on arrival
+    as one contributor, so the shards count one version per push of a node (2 x STEPS), both ranks of a node hold
+    the same parameters after every step, no step fails, the loss falls, and no rank's LR scheduler warns that
+    the optimizer never stepped."""
+    cluster = start_cluster(2, min_workers=1)
+    mp.start_processes(node_proc.async_nodes, args=(cluster.servers, str(tmp_path), mode), nprocs=4, join=True,
+                       start_method=START)
+    records = [json.loads((tmp_path / f"{mode}-{i}.json").read_text()) for i in range(4)]
+    for i, record in enumerate(records):
+        assert record["outcomes"] == ["ok"] * STEPS, (i, record["outcomes"])
+        assert record["warnings"] == [], (i, record["warnings"])  # e.g. the LR scheduler's "before optimizer.step()"
+        assert record["versions"] == sorted(record["versions"]) and record["versions"][-1] <= 2 * STEPS, record
+    for node in (0, 1):  # the ranks of a node see the same versions (the node's, broadcast by its leader)
+        assert records[2 * node]["versions"] == records[2 * node + 1]["versions"]
+    first, last = (sum(sum(r["losses"][k]) for r in records) for k in (slice(0, 4), slice(-4, None)))
+    assert last < 0.8 * first, (first, last)
+    for shard, address in enumerate(cluster.addresses):
+        client = ShardClient(address, index=shard)
+        stats = client.stats()
+        client.close()
+        assert stats.mode.mode == mode and stats.version == stats.contributions_applied == 2 * STEPS, stats
+        assert sum(stats.staleness_histogram) == 2 * STEPS and list(stats.members) == []
