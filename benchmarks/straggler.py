@@ -3,7 +3,7 @@
     python benchmarks/straggler.py [--json PATH] [--steps 60] [--model mlp|wide] [--batch-size 32]
         [--base-seconds 0.1] [--slow-factor 2.5] [--persistent-factor 2.0] [--staleness 3]
         [--no-scale-lr-by-staleness] [--optimizer adamw|sgd] [--lr LR] [--async-lr LR] [--ssp-lr LR]
-        [--schedule constant|cosine] [--repeats 3]
+        [--schedule constant|cosine] [--shards 1] [--repeats 3]
 
 What it measures: how much a slow worker costs each way of training with 3
 worker processes (one torch thread each) on one machine. Every step of a
@@ -18,8 +18,8 @@ forward, where ``factor`` is 1 for a normal step and larger for a straggler:
 - **persistent**: worker 2 is slow by ``--persistent-factor`` (2.0) at every step.
 
 Modes, each from the same initial parameters (shardps on a fresh
-``LocalCluster`` of 2 shards, ``min_workers=3``), with the same optimizer
-and lr (see "Optimizer" below):
+``LocalCluster`` of ``--shards`` shards, default 1, ``min_workers=3``), with
+the same optimizer and lr (see "Optimizer" below):
 
 - ``ddp``: DistributedDataParallel over Gloo (allreduce), 3 ranks;
 - ``sync``: shardps bulk synchronous rounds (averages one push of every worker);
@@ -49,10 +49,10 @@ Figures per (scenario, mode):
   step, so no mode hides communication behind the simulated compute);
 - ``other_ms_per_step``: per worker, the time per step outside the simulated
   compute: real forward/backward, communication and waiting for others;
-- ``worker_cpu_ms_per_step`` (per worker) and ``shards_cpu_ms_per_step`` (both
+- ``worker_cpu_ms_per_step`` (per worker) and ``shards_cpu_ms_per_step`` (all
   shard processes together, per applied push): CPU time (user + system) the
   timed steps cost. On a machine with few cores this, not the simulated
-  compute, can set the pace: 3 workers and 2 shards share the cores;
+  compute, can set the pace: 3 workers and the shards share the cores;
 - ``final_loss``: cross-entropy of the final model on a fixed held-out set
   of 4096 samples (ddp: rank 0's model; shardps: the parameters exported
   from the shards after every worker finished, ``shardps.worker.export``);
@@ -116,8 +116,12 @@ ddp step. On a machine with few cores that cost is CPU time: compare
 ``--base-seconds``. The default 100 ms of simulated compute is a short
 step for a real model on an accelerator (whose compute takes no host CPU,
 like the sleep); at ``--base-seconds 0.02`` the ~25 ms of CPU that a
-shardps step costs on a 2-core machine (worker plus shards, 5 processes on
-2 cores) outweighs what a straggler delays and DDP wins. The async/ssp losses vary from run to run (the order in
+shardps step costs on a 2-core machine (worker plus 2 shards, 5 processes on
+2 cores) outweighs what a straggler delays and DDP wins. Each shard adds a
+push-pull stream per worker per step: with ``--shards 2`` a step costs ~25
+ms of CPU (async workers' non-sleep time ~24 ms) against ~18 ms (~16 ms)
+with 1, and transient ssp measured 1.28x-1.30x DDP's samples/s (means of
+3 runs) against 1.35x; ``straggler_sim.py --overhead-ms`` predicts both. The async/ssp losses vary from run to run (the order in
 which pushes arrive is not deterministic); ddp and sync are exactly
 reproducible and equal.
 
@@ -271,6 +275,8 @@ def main() -> None:
                    "2016; default on)")
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="learning rate over the sample budget, the same in every mode (default constant)")
+    p.add_argument("--shards", type=int, default=SHARDS,
+                   help=f"shard processes of every shardps run (default {SHARDS}; fewer: less CPU per round)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every (scenario, mode), interleaved; samples/s, final loss and wall time are their "
                    "means (default 3, about 6.5 minutes: async/ssp losses and ssp's speed vary from run to run, so "
@@ -285,12 +291,12 @@ def main() -> None:
         args.async_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["async"] if tuned else args.lr
     if args.ssp_lr is None:
         args.ssp_lr = DEFAULT_STALE_LR[args.optimizer, args.model]["ssp"] if tuned else args.lr
-    if args.steps < 1 or args.batch_size < 1 or args.repeats < 1 or args.staleness < 0 or args.base_seconds < 0:
-        p.error("--steps, --batch-size and --repeats must be >= 1, --staleness and --base-seconds >= 0")
+    if min(args.steps, args.batch_size, args.repeats, args.shards) < 1 or args.staleness < 0 or args.base_seconds < 0:
+        p.error("--steps, --batch-size, --repeats and --shards must be >= 1, --staleness and --base-seconds >= 0")
     params = sum(q.numel() for q in make_model(args.model).parameters())
     initial_loss = eval_loss(args.model, make_model(args.model))
-    print(f"{args.model}: {params / 1e3:.0f} k parameters, {WORKERS} workers, {SHARDS} shards, {args.steps} steps x "
-          f"{args.batch_size} samples per worker ({WORKERS * args.steps * args.batch_size} samples per mode), "
+    print(f"{args.model}: {params / 1e3:.0f} k parameters, {WORKERS} workers, {args.shards} shards, "
+          f"{args.steps} steps x {args.batch_size} samples per worker ({WORKERS * args.steps * args.batch_size} samples per mode), "
           f"base {args.base_seconds * 1e3:.0f} ms/step, transient x{args.slow_factor}, "
           f"persistent worker {PERSISTENT_STRAGGLER} x{args.persistent_factor}, ssp s={args.staleness}, "
           f"{args.optimizer} lr {args.lr} (ssp {args.ssp_lr}, async {args.async_lr}), "
@@ -299,7 +305,7 @@ def main() -> None:
     began = time.monotonic()
     results: dict[str, dict] = {}
     workers = Workers(args.run_timeout)
-    clusters = Clusters()
+    clusters = Clusters(args.shards)
     try:
         clusters.prepare()  # the first shardps run's cluster starts while the workers do
         workers.start()
@@ -327,8 +333,8 @@ def main() -> None:
     total = time.monotonic() - began
     print(f"\nbenchmark wall time {total:.1f} s", flush=True)
     out = {
-        "config": {"model": args.model, "params": params, "workers": WORKERS, "shards": SHARDS, "steps": args.steps,
-                   "batch_size": args.batch_size, "budget_batches": WORKERS * args.steps,
+        "config": {"model": args.model, "params": params, "workers": WORKERS, "shards": args.shards,
+                   "steps": args.steps, "batch_size": args.batch_size, "budget_batches": WORKERS * args.steps,
                    "optimizer": args.optimizer, "lr": args.lr, "async_lr": args.async_lr, "ssp_lr": args.ssp_lr,
                    "momentum": MOMENTUM if args.optimizer == "sgd" else None,
                    "base_seconds": args.base_seconds, "slow_factor": args.slow_factor,

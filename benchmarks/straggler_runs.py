@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 from common import cpu_seconds, free_port
 from straggler_job import WORKERS, eval_loss, make_model, straggler_draws, worker_main
 
-SHARDS = 2
+#: shard processes of a shardps run (``--shards``): one holds this 300 KB model; each more adds a push-pull stream
+#: per worker per step, CPU that 3 workers and the shards share on a small machine
+SHARDS = 1
 
 
 def process_cpu_seconds(pids: list[int]) -> float:
@@ -132,7 +134,8 @@ class Workers:
 
 
 class Clusters:
-    """Fresh 2-shard ``LocalCluster``s, each started in the background while the run before it sets up.
+    """Fresh ``LocalCluster``s of ``shards`` shards (default :data:`SHARDS`), each started in the background
+    while the run before it sets up.
 
     A cluster is only started or stopped outside the timed part of a run:
     :meth:`settle` (called by the parent before it lets the workers start
@@ -140,7 +143,8 @@ class Clusters:
     cluster being stopped has exited.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shards: int = SHARDS) -> None:
+        self.shards = shards
         self.live: list = []
         self.threads: list[threading.Thread] = []
         self._next: Any = None
@@ -150,7 +154,7 @@ class Clusters:
         """Start the next run's cluster in the background (taken by :meth:`take`)."""
         from shardps.worker import LocalCluster
 
-        cluster = LocalCluster(SHARDS, min_workers=WORKERS)
+        cluster = LocalCluster(self.shards, min_workers=WORKERS)
         self.live.append(cluster)
         self._next = cluster
 

@@ -1,17 +1,18 @@
 """What the straggler benchmark's stragglers allow each mode, by simulation: no processes, no network.
 
     python benchmarks/straggler_sim.py [--steps 60] [--base-seconds 0.1] [--slow-factor 2.5]
-        [--persistent-factor 2.0] [--staleness 3] [--overhead-ms 30] [--ddp-overhead-ms 10] [--seed 2024]
+        [--persistent-factor 2.0] [--staleness 3] [--overhead-ms 18] [--ddp-overhead-ms 10] [--seed 2024]
 
 A discrete-event simulation of ``benchmarks/straggler.py``'s job with the
 same draws (``straggler_job.straggler_draws``) and the same simulated
 compute (``straggler_job.delay``): 3 workers, a budget of ``3 * steps``
 steps, each step its compute plus a fixed overhead (``--overhead-ms`` for
-shardps: the non-sleep time per step that an async worker, which never
-waits, measured in the benchmark, about 25-30 ms on a 2-core machine;
-``--ddp-overhead-ms`` for DDP: its persistent straggler's, which never
-waits, about 10 ms). It prints the samples/s each mode could reach if
-nothing but the stragglers and that overhead set the pace:
+shardps: about the non-sleep time per step that an async worker, which
+never waits, measured in the benchmark: ~16 ms with its default 1 shard,
+~24 ms with ``--shards 2``, on a 2-core machine; ``--ddp-overhead-ms`` for
+DDP: its persistent straggler's, which never waits, about 10 ms). It
+prints the samples/s each mode could reach if nothing but the stragglers
+and that overhead set the pace:
 
 - ``ddp`` and ``sync``: lockstep; every step lasts as long as its slowest worker's;
 - ``async``: each worker claims the next step of the budget as soon as its own is done;
@@ -22,11 +23,16 @@ nothing but the stragglers and that overhead set the pace:
 
 Reading it: the benchmark's measured ratio against DDP can be compared with
 the simulated one, to tell the cost of the bound itself (or of the draw)
-from an inefficiency of the implementation. With the defaults and seed
-2024 (the benchmark's draw), ssp s=3 can reach 1.31x DDP and async 1.40x;
-the benchmark measured 1.30x and 1.43x (means of 3 runs). With seeds 1-4
-the same simulation gives ssp 1.38x-1.42x: seed 2024's draw is a hard one
-for ssp, where one worker is slow several steps in a row.
+from an inefficiency of the implementation. With the defaults (18 ms, the
+benchmark's 1 shard) and seed 2024 (the benchmark's draw), it predicts
+transient ddp 369, sync 358, ssp 512 (1.39x), async 555 (1.50x) samples/s
+and persistent 457, 440, 456, 688; the benchmark measured 373, 350, 502
+(1.35x), 560 (1.50x) and 464, 437, 452, 677 (means of 3 runs), each within
+2.5%. With ``--overhead-ms 30`` (2 shards) it predicts ssp 1.31x and async
+1.40x, where the benchmark with ``--shards 2`` measured 1.30x and 1.43x in
+one 3-run mean and 1.28x and 1.41x in another. With seeds 1-4 instead of
+2024, ssp reaches 1.38x-1.42x at 30 ms: seed 2024's draw is a hard one for
+ssp, where one worker is slow several steps in a row.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def main() -> None:
     p.add_argument("--slow-factor", type=float, default=2.5, help="transient straggler's slowdown (default 2.5)")
     p.add_argument("--persistent-factor", type=float, default=2.0, help="worker 2's slowdown (default 2.0)")
     p.add_argument("--staleness", type=int, default=3, help="ssp bound s (default 3)")
-    p.add_argument("--overhead-ms", type=float, default=30.0, help="shardps time per step besides compute (30)")
+    p.add_argument("--overhead-ms", type=float, default=18.0, help="shardps time per step besides compute (18)")
     p.add_argument("--ddp-overhead-ms", type=float, default=10.0, help="DDP time per step besides compute (10)")
     p.add_argument("--seed", type=int, default=SEED, help=f"seed of the transient draws (default {SEED})")
     args = p.parse_args()
