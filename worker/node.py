@@ -56,7 +56,6 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-import grpc
 import torch
 import torch.distributed as dist
 
@@ -65,9 +64,9 @@ from shardps.proto.plan import PartitionPlan
 from shardps.worker.client import ShardClient
 from shardps.worker import state as optimizer_state
 from shardps.worker.optimizer import DistributedOptimizer
-from shardps.worker.recovery import divergence
+from shardps.worker.recovery import rejoin_failed
 from shardps.worker.retry import RetryPolicy
-from shardps.worker.shares import NodeSession, ShardShare, owner, shard_segments
+from shardps.worker.shares import NodeSession, ShardShare, copy_pieces, owner, param_pieces, shard_segments
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,8 @@ class NodeOptimizer:
         self._segments = shard_segments(plan)
         self._buffer_chunks = list(plan.buffer_chunks)
         self._owned = [s for s in range(plan.num_shards) if owner(s, self.size) == self.rank]
-        self._pieces = {s: self._param_pieces(s) for s in range(plan.num_shards)}
+        self._pieces = {s: param_pieces(self._segments[s], self._params, self._starts)
+                        for s in range(plan.num_shards)}
         self._buffer_map = dict(named_buffers)
         error, failure, clients = "", None, {}
         try:
@@ -362,7 +362,7 @@ class NodeOptimizer:
         Every rank first takes the shards that did apply the round from their
         owners, as after a good step. The leader then rejoins each failed shard
         whose error is a restart or a dropped connection and pulls its current
-        version (:meth:`_rejoin_failed`), as a ``DistributedOptimizer`` does
+        version (``recovery.rejoin_failed``), as a ``DistributedOptimizer`` does
         inside its step: the round is not sent to it again. If it rejoined any,
         it broadcasts the whole model (so every rank holds what it pulled), and
         if every failed shard was rejoined the step succeeds on every rank.
@@ -384,7 +384,7 @@ class NodeOptimizer:
         dist.all_gather_object(gathered, [(s, c.name if c else "", m) for s, c, m in mine], group=self.group)
         everyone = [(r, s, code, m) for r, lst in enumerate(gathered) for s, code, m in lst]
         self._gather_shares()
-        box = [self._rejoin_failed(received, everyone) if self.inner is not None else None]
+        box = [rejoin_failed(self.inner, received, everyone) if self.inner is not None else None]
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
         versions, left, rejoined = box[0]
         if rejoined:
@@ -397,83 +397,23 @@ class NodeOptimizer:
         raise RuntimeError("the node's round failed on " + "; ".join(
             f"local rank {r}, shard {s}: {m}" for r, s, m in left))
 
-    def _rejoin_failed(self, received: list[int], everyone: list[tuple[int, int, str, str]]
-                       ) -> tuple[list[int], list[tuple[int, int, str]], bool]:
-        """Leader: rejoin the failed shards that restarted or dropped the connection (``Recovery.recover_one``).
-
-        A shard still unreachable past the retry budget is rejoined between the
-        next steps; any other failure on a round that other shards applied
-        leaves the partitions at different versions: the job is marked
-        diverged, as ``DistributedOptimizer`` does. Never raises (every rank
-        waits for its answer).
-
-        Args:
-            received: each shard's new version, -1 where it failed.
-            everyone: every rank's failures, ``(local rank, shard, status code name or "", message)``.
-
-        Returns:
-            ``(versions, left, rejoined)``: each shard's version now, the failures not
-            recovered (``(local rank, shard, message)``), and whether any shard was rejoined.
-        """
-        inner = self.inner
-        versions = [v if v >= 0 else old for v, old in zip(received, inner.versions)]
-        left, other, rejoined = [], [], False
-        for r, s, code, m in everyone:
-            try:
-                why = f"{code} in a round pushed by local rank {r} ({m[:200]})"
-                outcome, value = inner._recovery.recover_one(s, grpc.StatusCode[code] if code else None, why)
-            except Exception as exc:  # e.g. the shard came back without the job's state
-                outcome, value = "other", exc
-            if outcome == "rejoined":
-                versions[s], rejoined = value, True
-                continue
-            if value is not None:
-                m = f"{m}; rejoining it failed: {type(value).__name__}: {value}"
-            if outcome == "other":
-                other.append((s, m))
-            left.append((r, s, m))
-        inner.versions = versions
-        applied = {s: v for s, v in enumerate(received) if v >= 0}
-        if other and applied:
-            inner._diverged = divergence(applied, other[0][0], other[0][1], versions)
-        return versions, left, rejoined
-
     def _gather_shares(self) -> None:
         """All-gather: every shard's range of the parameters, and its buffer chunks, from the rank that pulled them."""
         if self._params:
             if self._param_buffer is None:
                 self._param_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
             flat = self._param_buffer
-            self._copy_shards(flat, self._owned, into_flat=True)
+            copy_pieces(flat, [x for s in self._owned for x in self._pieces[s]], into_flat=True)
             for s, segments in enumerate(self._segments):
                 src = self._global(owner(s, self.size))
                 for a, n in segments:
                     dist.broadcast(flat.narrow(0, a, n), src=src, group=self.group)
-            self._copy_shards(flat, [s for s in self._pieces if s not in self._owned], into_flat=False)
+            copy_pieces(flat, [x for s in self._pieces if s not in self._owned for x in self._pieces[s]],
+                        into_flat=False)
         for c in self._buffer_chunks:
             b = self._buffer_map[c.key]
             dist.broadcast(b.view(-1).narrow(0, c.offset, c.numel), src=self._global(owner(c.shard, self.size)),
                            group=self.group)
-
-    def _param_pieces(self, shard: int) -> list[tuple[torch.Tensor, int, int, int]]:
-        """Where shard ``shard``'s ranges fall: ``(parameter, offset in it, offset in the flat vector, numel)``."""
-        pieces = []
-        for a, n in self._segments[shard]:
-            for p, start in zip(self._params, self._starts):
-                lo, hi = max(a, start), min(a + n, start + p.numel())
-                if lo < hi:
-                    pieces.append((p, lo - start, lo, hi - lo))
-        return pieces
-
-    def _copy_shards(self, flat: torch.Tensor, shards: list[int], into_flat: bool) -> None:
-        """Copy the parameters' elements in ``shards``' ranges into ``flat`` (or back out of it)."""
-        for s in shards:
-            for p, at, lo, n in self._pieces[s]:
-                piece = p.data.view(-1)[at : at + n]
-                if into_flat:
-                    flat[lo : lo + n].copy_(piece)
-                else:
-                    piece.copy_(flat[lo : lo + n])
 
     def _global(self, local: int) -> int:
         """The global rank of local rank ``local`` of the node's group."""

@@ -166,3 +166,45 @@ class Recovery:
     def between_steps(self) -> dict[int, int]:
         """Rejoin the shards the heartbeat thread found restarted; ``{shard: version now}``."""
         return {shard: self.rejoin(shard, "a restart seen by the heartbeats") for shard in sorted(self.restarted)}
+
+
+def rejoin_failed(inner, received: list[int], everyone: list[tuple[int, int, str, str]]
+                  ) -> tuple[list[int], list[tuple[int, int, str]], bool]:
+    """A node leader's DistributedOptimizer ``inner``, after its node's round failed on some local ranks: rejoin
+    the failed shards that restarted or dropped the connection (:meth:`Recovery.recover_one`).
+
+    A shard still unreachable past the retry budget is rejoined between the
+    next steps; any other failure on a round that other shards applied
+    leaves the partitions at different versions: the job is marked
+    diverged, as ``DistributedOptimizer`` does. Never raises (every local
+    rank waits for its answer); updates ``inner.versions``.
+
+    Args:
+        received: each shard's new version, -1 where it failed.
+        everyone: every rank's failures, ``(local rank, shard, status code name or "", message)``.
+
+    Returns:
+        ``(versions, left, rejoined)``: each shard's version now, the failures not
+        recovered (``(local rank, shard, message)``), and whether any shard was rejoined.
+    """
+    versions = [v if v >= 0 else old for v, old in zip(received, inner.versions)]
+    left, other, rejoined = [], [], False
+    for r, s, code, m in everyone:
+        try:
+            why = f"{code} in a round pushed by local rank {r} ({m[:200]})"
+            outcome, value = inner._recovery.recover_one(s, grpc.StatusCode[code] if code else None, why)
+        except Exception as exc:  # e.g. the shard came back without the job's state
+            outcome, value = "other", exc
+        if outcome == "rejoined":
+            versions[s], rejoined = value, True
+            continue
+        if value is not None:
+            m = f"{m}; rejoining it failed: {type(value).__name__}: {value}"
+        if outcome == "other":
+            other.append((s, m))
+        left.append((r, s, m))
+    inner.versions = versions
+    applied = {s: v for s, v in enumerate(received) if v >= 0}
+    if other and applied:
+        inner._diverged = divergence(applied, other[0][0], other[0][1], versions)
+    return versions, left, rejoined

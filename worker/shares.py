@@ -62,6 +62,37 @@ def shard_segments(plan: PartitionPlan) -> list[list[tuple[int, int]]]:
     return segments
 
 
+def param_pieces(segments: list[tuple[int, int]], params: list[torch.Tensor], starts: list[int]
+                 ) -> list[tuple[torch.Tensor, int, int, int]]:
+    """Where one shard's ``segments`` (of :func:`shard_segments`) fall in ``params``.
+
+    Args:
+        segments: the shard's ranges ``(start, length)`` of the flat vector, elements.
+        params: the parameters in plan order; ``starts``: where each begins in the flat vector.
+
+    Returns:
+        ``(parameter, offset in it, offset in the flat vector, numel)`` for each piece.
+    """
+    pieces = []
+    for a, n in segments:
+        for p, start in zip(params, starts):
+            lo, hi = max(a, start), min(a + n, start + p.numel())
+            if lo < hi:
+                pieces.append((p, lo - start, lo, hi - lo))
+    return pieces
+
+
+def copy_pieces(flat: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int, int]], into_flat: bool) -> None:
+    """Copy the parameters' elements of ``pieces`` (:func:`param_pieces`) into ``flat`` (fp32, the flat vector),
+    or back out of it into the parameters."""
+    for p, at, lo, n in pieces:
+        piece = p.data.view(-1)[at : at + n]
+        if into_flat:
+            flat[lo : lo + n].copy_(piece)
+        else:
+            piece.copy_(flat[lo : lo + n])
+
+
 @dataclass(frozen=True)
 class NodeSession:
     """What the leader hands every local rank so that they push as the node (sent once, at construction).
