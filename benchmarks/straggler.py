@@ -295,7 +295,7 @@ def main() -> None:
         p.error("--steps, --batch-size, --repeats and --shards must be >= 1, --staleness and --base-seconds >= 0")
     params = sum(q.numel() for q in make_model(args.model).parameters())
     initial_loss = eval_loss(args.model, make_model(args.model))
-    print(f"{args.model}: {params / 1e3:.0f} k parameters, {WORKERS} workers, {args.shards} shards, "
+    print(f"{args.model}: {params / 1e3:.0f} k parameters, {WORKERS} workers, {args.shards} shard{'s' * (args.shards != 1)}, "
           f"{args.steps} steps x {args.batch_size} samples per worker ({WORKERS * args.steps * args.batch_size} samples per mode), "
           f"base {args.base_seconds * 1e3:.0f} ms/step, transient x{args.slow_factor}, "
           f"persistent worker {PERSISTENT_STRAGGLER} x{args.persistent_factor}, ssp s={args.staleness}, "
