@@ -73,9 +73,9 @@ of simulated compute; the losses do not depend on it). async and ssp get
 their own lr, as one tunes each method when comparing them (``--async-lr``,
 ``--ssp-lr``): with AdamW on the MLP, async 3e-3 (the same as ddp's), the
 best mean final loss of its grid in the transient scenario at the default
-sizes, and ssp 2e-3 (its 2e-3 to 3e-3 are equal within the noise). An async or
-ssp loss moves by up to 0.06 from run to run with the order in which pushes
-land, so each lr was run 3 times or more: async 1.5e-3: 0.833, 2e-3: 0.777,
+sizes (with 2 shards), and ssp 2e-3 (its 2e-3 to 3e-3 are equal within the
+noise). An async or ssp loss moves by up to 0.06-0.09 from run to run with
+the order in which pushes land, so each lr was run 3 times or more: async 1.5e-3: 0.833, 2e-3: 0.777,
 2.5e-3: 0.790, 3e-3: 0.762, 4e-3: 0.789 (5 runs, 0.761-0.825); ssp 1.5e-3:
 0.768, 2e-3: 0.750 (7 runs, 0.722-0.766), 2.5e-3: 0.739, 3e-3: 0.751 (ddp:
 0.737). ``--repeats N`` (default 3) runs every mode N times and reports the means. Other
@@ -115,15 +115,16 @@ ddp step. On a machine with few cores that cost is CPU time: compare
 ``CPU ms/step`` (shardps worker plus shards, ddp worker) with
 ``--base-seconds``. The default 100 ms of simulated compute is a short
 step for a real model on an accelerator (whose compute takes no host CPU,
-like the sleep); at ``--base-seconds 0.02`` the ~25 ms of CPU that a
-shardps step costs on a 2-core machine (worker plus 2 shards, 5 processes on
-2 cores) outweighs what a straggler delays and DDP wins. Each shard adds a
-push-pull stream per worker per step: with ``--shards 2`` a step costs ~25
-ms of CPU (async workers' non-sleep time ~24 ms) against ~18 ms (~16 ms)
-with 1, and transient ssp measured 1.28x-1.30x DDP's samples/s (means of
-3 runs) against 1.35x; ``straggler_sim.py --overhead-ms`` predicts both. The async/ssp losses vary from run to run (the order in
-which pushes arrive is not deterministic); ddp and sync are exactly
-reproducible and equal.
+like the sleep); at ``--base-seconds 0.02 --shards 2`` the ~25 ms of CPU
+that a shardps step costs on a 2-core machine (worker plus 2 shards, 5
+processes on 2 cores) outweighs what a straggler delays and DDP wins. Each
+shard adds a push-pull stream per worker per step: with ``--shards 2`` a
+step costs ~25 ms of CPU (async workers' non-sleep time ~24 ms) against ~17
+ms (~16 ms) with 1, and transient ssp measured 1.28x-1.30x DDP's samples/s
+(means of 3 runs) against 1.35x (``straggler_sim.py`` reproduces both with
+an overhead fitted to each: 30 ms and 18 ms). The async/ssp losses vary
+from run to run (the order in which pushes arrive is not deterministic);
+ddp and sync are exactly reproducible and equal.
 
 Worker processes are spawned once (torch.multiprocessing, ``spawn``) and run
 every (scenario, mode) in turn; every wait is bounded (``--run-timeout``) and

@@ -7,12 +7,14 @@ A discrete-event simulation of ``benchmarks/straggler.py``'s job with the
 same draws (``straggler_job.straggler_draws``) and the same simulated
 compute (``straggler_job.delay``): 3 workers, a budget of ``3 * steps``
 steps, each step its compute plus a fixed overhead (``--overhead-ms`` for
-shardps: about the non-sleep time per step that an async worker, which
-never waits, measured in the benchmark: ~16 ms with its default 1 shard,
-~24 ms with ``--shards 2``, on a 2-core machine; ``--ddp-overhead-ms`` for
-DDP: its persistent straggler's, which never waits, about 10 ms). It
-prints the samples/s each mode could reach if nothing but the stragglers
-and that overhead set the pace:
+shardps, ``--ddp-overhead-ms`` for DDP). The overheads are fitted to the
+benchmark's means on a 2-core machine: 18 ms for its default 1 shard (an
+async worker, which never waits, measured ~16 ms per step outside the
+simulated compute), 30 ms for ``--shards 2`` (measured ~24 ms), 10 ms for
+DDP (its persistent straggler, which never waits, measured 6-8 ms). They sit
+above the measured time because the simulated workers never compete for
+the cores, and the real ones do. It prints the samples/s each mode could
+reach if nothing but the stragglers and that overhead set the pace:
 
 - ``ddp`` and ``sync``: lockstep; every step lasts as long as its slowest worker's;
 - ``async``: each worker claims the next step of the budget as soon as its own is done;
@@ -28,9 +30,10 @@ benchmark's 1 shard) and seed 2024 (the benchmark's draw), it predicts
 transient ddp 369, sync 358, ssp 512 (1.39x), async 555 (1.50x) samples/s
 and persistent 457, 440, 456, 688; the benchmark measured 373, 350, 502
 (1.35x), 560 (1.50x) and 464, 437, 452, 677 (means of 3 runs), each within
-2.5%. With ``--overhead-ms 30`` (2 shards) it predicts ssp 1.31x and async
+2.5%. With ``--overhead-ms 30`` (2 shards) it gives ssp 1.31x and async
 1.40x, where the benchmark with ``--shards 2`` measured 1.30x and 1.43x in
-one 3-run mean and 1.28x and 1.41x in another. With seeds 1-4 instead of
+one 3-run mean and 1.28x and 1.41x in another; with the measured 24 ms it
+would give ssp 1.35x and async 1.45x, 4-7% above those measurements. With seeds 1-4 instead of
 2024, ssp reaches 1.38x-1.42x at 30 ms: seed 2024's draw is a hard one for
 ssp, where one worker is slow several steps in a row.
 """

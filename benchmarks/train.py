@@ -219,7 +219,6 @@ def _worker(
         else:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
     start, pushed, cpu, shards_cpu = 0.0, 0, 0.0, None
-    _t = []
     for step in range(steps):
         if step == WARMUP:
             pushed = -_shard_push_bytes(system, opt, rank, barrier)
@@ -230,11 +229,6 @@ def _worker(
         opt.zero_grad()
         loss_of(kind, net, x[mine], y[mine]).backward()
         opt.step()
-        _t.append(time.perf_counter())
-    if rank == 0 and os.environ.get("STEPTIMES"):
-        import numpy as _np
-        d = _np.diff(_t) * 1e3
-        print("step ms by 10s:", [round(float(x), 1) for x in d[: len(d) // 10 * 10].reshape(-1, 10).mean(1)], flush=True)
     if system == "shardps":
         opt.synchronize()  # the last pull may still be landing
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu

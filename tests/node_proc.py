@@ -48,6 +48,11 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
                     sched.step()
                 assert node_opt.version == STEPS, node_opt.version
                 assert not opt.state, "the local optimizer must never allocate state"
+                try:  # on every rank its own step would update this rank's replica behind the node's back
+                    opt.step()
+                    raise AssertionError("the wrapped optimizer's step() must refuse on every local rank")
+                except RuntimeError as exc:
+                    assert "wrapped by a NodeOptimizer" in str(exc), exc
                 with open(f"{out}/{name}-{i}.pushed.json", "w") as f:
                     json.dump(node_opt.last_pushed_bytes, f)
                 if local == 0:  # the node's optimizer state lives on the shards; its leader reads it
@@ -59,15 +64,12 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
                         raise AssertionError("state_dict() on a non-leader rank must refuse")
                     except RuntimeError as exc:
                         assert "local rank 0" in str(exc), exc
-                    try:  # its own step would update this rank's replica behind the node's back
-                        opt.step()
-                        raise AssertionError("the wrapped optimizer's step() on a non-leader rank must refuse")
-                    except RuntimeError as exc:
-                        assert "wrapped by a NodeOptimizer" in str(exc), exc
                     state = opt.state_dict()
                 # the usual resume call on every rank: the leader loads (its own state: accepted between rounds),
                 # the other ranks do nothing
                 node_opt.load_state_dict(state)
+            opt.zero_grad()
+            opt.step()  # closed: the optimizer is its own again (no gradients: it changes nothing)
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out}/{name}-{i}.pt")
     finally:
         dist.destroy_process_group()
@@ -288,7 +290,7 @@ def async_nodes(i: int, address: str, out: str, mode: str) -> None:
                 versions.append(node_opt.version)
                 sched.step()  # no warning: the node's step() tells the scheduler a step happened
             caught.__exit__(None, None, None)
-            warned = [str(w.message) for w in seen]
+            warned = [str(w.message) for w in seen if "lr_scheduler" in str(w.message)]
     finally:
         with open(f"{out}/{mode}-{i}.json", "w") as f:
             json.dump({"outcomes": outcomes, "losses": losses, "versions": versions, "warnings": warned}, f)

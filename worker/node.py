@@ -160,9 +160,12 @@ class NodeOptimizer:
         if self.split:
             self._setup_share(named_buffers, servers if not isinstance(servers, str) else
                               [a for a in servers.split(",") if a], kwargs)
-        # the other ranks' optimizers must not step on their own either (the leader's DistributedOptimizer
-        # routes its own); their state_dict stays theirs (empty: they never step)
-        if self.rank != 0:
+        # no rank's optimizer may step on its own. The leader's DistributedOptimizer routed its methods (and
+        # restores them at close): only the advice changes. The other ranks keep their own state_dict (empty:
+        # they never step)
+        if self.rank == 0:
+            optimizer.step = optimizer_state.refusing_step("NodeOptimizer")
+        else:
             self._routed = optimizer_state.redirect(optimizer, optimizer.state_dict, optimizer.load_state_dict,
                                                     wrapper="NodeOptimizer")
 

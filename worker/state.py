@@ -35,16 +35,11 @@ SCALAR_STATE = frozenset({"step"})
 _ROUTED = ("state_dict", "load_state_dict", "step")
 
 
-def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrapper: str = "") -> dict:
-    """Route the wrapped optimizer's ``state_dict``/``load_state_dict`` to the shards; make its ``step`` raise.
+def refusing_step(wrapper: str = ""):
+    """A ``step`` for a wrapped optimizer that raises, naming what to call instead.
 
-    Its own state would be empty (the shards hold it), and its own ``step``
-    would update the model locally, behind the shards' back: code that calls
-    ``opt.state_dict()`` or ``scaler.step(opt)`` must not silently do either.
-    ``wrapper``: the class to name in the error (default: DistributedOptimizer's advice).
-
-    Returns:
-        What :func:`restore` needs to undo this (the instance attributes replaced).
+    ``wrapper``: ``"NodeOptimizer"`` for the node's advice; ``""``: DistributedOptimizer's.
+    LR schedulers see it as their own wrapped step (the wrapper's step tells them a step happened).
     """
     def step(*args, **kwargs):
         raise RuntimeError(
@@ -54,9 +49,26 @@ def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrap
             "(with a GradScaler: DistributedOptimizer(..., grad_scaler=scaler), then dist.step(); scaler.update())"
         )
 
-    step._wrapped_by_lr_sched = True  # what LR schedulers look for (dist.step() tells them a step happened)
+    step._wrapped_by_lr_sched = True  # what LR schedulers look for
+    return step
+
+
+def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrapper: str = "") -> dict:
+    """Replace the wrapped optimizer's ``state_dict``/``load_state_dict`` by the given ones; make its ``step`` raise.
+
+    A DistributedOptimizer routes them to the shards: the optimizer's own
+    state would be empty (the shards hold it), and its own ``step`` would
+    update the model locally, behind the shards' back, so code that calls
+    ``opt.state_dict()`` or ``scaler.step(opt)`` must not silently do either.
+    A NodeOptimizer's other local ranks keep their own methods and only
+    lose ``step`` (:func:`refusing_step` with ``wrapper``).
+
+    Returns:
+        What :func:`restore` needs to undo this (the instance attributes replaced).
+    """
     saved = {name: optimizer.__dict__[name] for name in _ROUTED if name in optimizer.__dict__}
-    optimizer.state_dict, optimizer.load_state_dict, optimizer.step = state_dict, load_state_dict, step
+    optimizer.state_dict, optimizer.load_state_dict = state_dict, load_state_dict
+    optimizer.step = refusing_step(wrapper)
     return saved
 
 

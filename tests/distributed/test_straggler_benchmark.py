@@ -34,7 +34,7 @@ def test_straggler_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "straggler.json"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "straggler.py"), "--steps", str(STEPS), "--base-seconds",
-         str(BASE_SECONDS), "--repeats", "1", "--run-timeout", "60", "--json", str(out)],
+         str(BASE_SECONDS), "--repeats", "1", "--shards", "2", "--run-timeout", "60", "--json", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
     )
     try:

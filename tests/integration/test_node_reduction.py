@@ -96,8 +96,9 @@ def test_two_nodes_of_two_local_ranks_match_single_process_nccl(start_cluster, t
 @pytest.mark.gpu
 def test_two_nodes_of_one_local_rank_match_single_process_nccl(start_cluster, tmp_path: Path) -> None:
     """The oracle on CUDA tensors with NCCL on a single GPU: each node is one rank on GPU 0 (NCCL allows one rank
-    per GPU in a communicator, and each node has its own); the collectives, the CUDA <-> wire copies and the
-    device of every tensor are those of the 2x2 test."""
+    per GPU in a communicator, and each node has its own). It covers the CUDA tensors, their copies to and from the
+    wire and the NCCL calls of a step, but with groups of one the collectives move nothing between processes: the
+    2x2 test above (2 GPUs) covers that."""
     run_nodes(start_cluster, tmp_path, "cuda", local_ranks=1)
 
 
@@ -252,8 +253,9 @@ def test_nodes_train_in_async_and_ssp_modes(start_cluster, tmp_path: Path, mode:
     records = [json.loads((tmp_path / f"{mode}-{i}.json").read_text()) for i in range(4)]
     for i, record in enumerate(records):
         assert record["outcomes"] == ["ok"] * STEPS, (i, record["outcomes"])
-        assert record["warnings"] == [], (i, record["warnings"])  # e.g. the LR scheduler's "before optimizer.step()"
-        assert record["versions"] == sorted(record["versions"]) and record["versions"][-1] <= 2 * STEPS, record
+        assert record["warnings"] == [], (i, record["warnings"])  # the LR scheduler's "before optimizer.step()"
+        # the node's version after its last step counts at least its own STEPS pushes, at most both nodes'
+        assert record["versions"] == sorted(record["versions"]) and STEPS <= record["versions"][-1] <= 2 * STEPS
     for node in (0, 1):  # the ranks of a node see the same versions (the node's, broadcast by its leader)
         assert records[2 * node]["versions"] == records[2 * node + 1]["versions"]
     first, last = (sum(sum(r["losses"][k]) for r in records) for k in (slice(0, 4), slice(-4, None)))
