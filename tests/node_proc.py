@@ -257,7 +257,7 @@ def async_nodes(i: int, address: str, out: str, mode: str) -> None:
     ssp with s=1): ``STEPS`` steps each on its quarter of the batch, the nodes never waiting for each other except
     at ssp's bound. After every step both ranks of a node must hold the same parameters (checked on every rank by
     an all-gather, and the step's error recorded otherwise). Writes ``<out>/<mode>-<i>.json``: each step's outcome
-    and loss, and the node's version after each step."""
+    and loss, the node's version after each step, and the LR scheduler's warnings (none expected)."""
     node, local = divmod(i, 2)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/{mode}-node{node}.rendezvous", rank=local,
@@ -272,24 +272,22 @@ def async_nodes(i: int, address: str, out: str, mode: str) -> None:
         with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
                            chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, mode=mode,
                            staleness=1 if mode == "ssp" else None) as node_opt:
-            caught = warnings.catch_warnings(record=True)
-            seen = caught.__enter__()
-            warnings.simplefilter("always")
-            for step in range(STEPS):
-                node_opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x[step % 4, part]), y[step % 4, part])
-                loss.backward()
-                losses.append(loss.item())
-                outcome = _step(node_opt)
-                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                both = [torch.empty_like(flat) for _ in range(2)]
-                dist.all_gather(both, flat)
-                if outcome == "ok" and not torch.equal(both[0], both[1]):
-                    outcome = "the local ranks hold different parameters"
-                outcomes.append(outcome)
-                versions.append(node_opt.version)
-                sched.step()  # no warning: the node's step() tells the scheduler a step happened
-            caught.__exit__(None, None, None)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for step in range(STEPS):
+                    node_opt.zero_grad()
+                    loss = nn.functional.cross_entropy(model(x[step % 4, part]), y[step % 4, part])
+                    loss.backward()
+                    losses.append(loss.item())
+                    outcome = _step(node_opt)
+                    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                    both = [torch.empty_like(flat) for _ in range(2)]
+                    dist.all_gather(both, flat)
+                    if outcome == "ok" and not torch.equal(both[0], both[1]):
+                        outcome = "the local ranks hold different parameters"
+                    outcomes.append(outcome)
+                    versions.append(node_opt.version)
+                    sched.step()  # no warning: the node's step() tells the scheduler a step happened
             warned = [str(w.message) for w in seen if "lr_scheduler" in str(w.message)]
     finally:
         with open(f"{out}/{mode}-{i}.json", "w") as f:
