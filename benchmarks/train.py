@@ -20,8 +20,8 @@ Systems (``--systems``, all by default):
 - shardps_node (1 node x 2 local ranks, reduction within the node): the same
   2 shards, but both processes are local ranks of one node in one Gloo
   process group (``shardps.worker.node.NodeOptimizer``), by chunk
-  ownership: one ``dist.reduce`` per shard range averages it on the local
-  rank that owns the shard, each rank pushes and pulls its own shard as
+  ownership: each shard's range is averaged on the local rank that owns
+  the shard (point-to-point sends, ``shares.reduce_scatter``), each rank pushes and pulls its own shard as
   the single contributor ``node0`` (shards started with ``min_workers=1``),
   then one ``dist.broadcast`` per range gives every rank the whole model;
   no overlapped pull;

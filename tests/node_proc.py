@@ -293,3 +293,30 @@ def async_nodes(i: int, address: str, out: str, mode: str) -> None:
         with open(f"{out}/{mode}-{i}.json", "w") as f:
             json.dump({"outcomes": outcomes, "losses": losses, "versions": versions, "warnings": warned}, f)
         dist.destroy_process_group()
+
+
+#: reduce_scatter test: 3 local ranks, 4 shards (rank 0 owns shards 0 and 3), shard 1 in two ranges, and
+#: 2 shards (rank 2 owns nothing); numel 23 and 10.
+SCATTER_CASES = ([[(0, 4)], [(4, 3), (15, 5)], [(7, 8)], [(20, 3)]], [[(0, 6)], [(6, 4)]])
+
+
+def scatter_grad(rank: int, numel: int) -> torch.Tensor:
+    """Local rank ``rank``'s vector for the reduce_scatter test (float32, shape ``(numel,)``, not exact sums)."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)) / 3
+
+
+def reduce_scatter_ranks(rank: int, out: str, size: int) -> None:
+    """Run ``shares.reduce_scatter`` twice per case (reusing the scratch), save the vectors to ``<out>/scatter-<rank>-<case>.pt``."""
+    from shardps.worker.shares import reduce_scatter
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/scatter.rendezvous", rank=rank, world_size=size)
+    try:
+        for case, segments in enumerate(SCATTER_CASES):
+            numel = max(a + n for runs in segments for a, n in runs)
+            scratch = None
+            for _ in range(2):
+                flat = scatter_grad(rank, numel)
+                scratch = reduce_scatter(flat, segments, rank, size, None, scratch)
+            torch.save(flat, f"{out}/scatter-{rank}-{case}.pt")
+    finally:
+        dist.destroy_process_group()

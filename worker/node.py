@@ -16,8 +16,10 @@ How a step runs (:meth:`NodeOptimizer.step`), by chunk ownership (the default):
    every local rank is left out, as torch.optim does);
 2. reduce-scatter along the partition plan: shard ``s`` holds one contiguous
    range of that vector (plan format 4) and is owned by local rank
-   ``s % L``; one ``dist.reduce`` per shard sums its range on its owner,
-   which divides by ``L``: the node's average gradient, each range on one rank;
+   ``s % L``; every rank sends the ranges it does not own to their owners
+   (point to point, ``shares.reduce_scatter``), and each owner sums its
+   range in local-rank order and divides by ``L``: the node's average
+   gradient, each range on one rank;
 3. the leader broadcasts the round (each shard's version and the trailer:
    learning rates, hyperparameters, absent keys), and its buffers so that
    every owner pushes the leader's, as a lone leader would;
@@ -66,7 +68,8 @@ from shardps.worker import state as optimizer_state
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.recovery import rejoin_failed
 from shardps.worker.retry import RetryPolicy
-from shardps.worker.shares import NodeSession, ShardShare, copy_pieces, owner, param_pieces, shard_segments
+from shardps.worker.shares import (NodeSession, ShardShare, copy_pieces, owner, param_pieces, reduce_scatter,
+                                   shard_segments)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,7 @@ class NodeOptimizer:
         self._numel = self._starts.pop()
         self._grad_buffer: torch.Tensor | None = None  # reused by every split step (_flat_grads)
         self._param_buffer: torch.Tensor | None = None  # reused by every split step (_gather_shares)
+        self._scratch: torch.Tensor | None = None  # reused by every split step (reduce_scatter)
         devices = {t.device for t in (*self._params, *self._buffers)}
         if len(devices) != 1:
             raise ValueError(f"parameters and buffers must be on one device, found {sorted(map(str, devices))}")
@@ -324,11 +328,7 @@ class NodeOptimizer:
                 self._grad_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
             flat, present = self._flat_grads(out=self._grad_buffer)
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
-            for s, segments in enumerate(self._segments):
-                dst = self._global(owner(s, self.size))
-                for a, n in segments:
-                    dist.reduce(flat.narrow(0, a, n), dst=dst, op=dist.ReduceOp.SUM, group=self.group)
-            flat /= self.size
+            self._scratch = reduce_scatter(flat, self._segments, self.rank, self.size, self.group, self._scratch)
             absent_index = [i for i, has in enumerate(present.tolist()) if not has]
             box = [self._begin_round(absent_index) if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=self._leader, group=self.group)

@@ -266,3 +266,25 @@ def test_nodes_train_in_async_and_ssp_modes(start_cluster, tmp_path: Path, mode:
         client.close()
         assert stats.mode.mode == mode and stats.version == stats.contributions_applied == 2 * STEPS, stats
         assert sum(stats.staleness_histogram) == 2 * STEPS and list(stats.members) == []
+
+
+def test_reduce_scatter_averages_each_range_on_its_owner_in_rank_order(tmp_path: Path) -> None:
+    """3 Gloo ranks: each owned range equals the rank-order sum / 3 bit for bit; ranges a rank does not own are untouched."""
+    size = 3
+    mp.start_processes(node_proc.reduce_scatter_ranks, args=(str(tmp_path), size), nprocs=size, join=True,
+                       start_method=START)
+    for case, segments in enumerate(node_proc.SCATTER_CASES):
+        numel = max(a + n for runs in segments for a, n in runs)
+        grads = [node_proc.scatter_grad(r, numel) for r in range(size)]
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        total /= size
+        for rank in range(size):
+            got = torch.load(tmp_path / f"scatter-{rank}-{case}.pt")
+            want = grads[rank].clone()
+            for s, runs in enumerate(segments):
+                if s % size == rank:
+                    for a, n in runs:
+                        want[a : a + n] = total[a : a + n]
+            assert torch.equal(got, want), (case, rank, (got - want).abs().max())
