@@ -49,12 +49,17 @@ the samples/s the system could reach at best if that work kept every core
 of this machine busy (cores x samples per step / CPU per step). When the
 processes share few cores (2 here) the work done per step, not waiting,
 caps the speed. The goal printed for the MLP: shardps_node at least 0.75x
-DDP's samples/s.
+DDP's samples/s. ``node_phase_ms`` (shardps_node): the mean wall time per
+timed step of each phase of the node's step on its leader, read from its
+``shardps_worker_node_phase_seconds`` histogram (``reduce_scatter``,
+``push_pull``, ``all_gather``); the rest of a step is forward, backward and
+the small collectives that agree on the round.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -184,6 +189,16 @@ def _shard_push_bytes(system: str, opt, rank: int, barrier) -> int:
     return total
 
 
+def _node_phases(opt) -> dict[str, tuple[float, float]]:
+    """The node leader's ``shardps_worker_node_phase_seconds`` so far: ``{phase: (seconds summed, count)}``."""
+    from shardps.worker.metrics import NODE_PHASES
+
+    registry = opt.metrics.registry
+    return {phase: (registry.get_sample_value("shardps_worker_node_phase_seconds_sum", {"phase": phase}),
+                    registry.get_sample_value("shardps_worker_node_phase_seconds_count", {"phase": phase}))
+            for phase in NODE_PHASES}
+
+
 def _worker(
     rank: int, kind: str, system: str, servers: str, rendezvous: str, steps: int, per_worker: int,
     chunk_bytes: int, barrier, out_dir: str, shard_pids: list[int],
@@ -218,12 +233,13 @@ def _worker(
             opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
         else:
             opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
-    start, pushed, cpu, shards_cpu = 0.0, 0, 0.0, None
+    start, pushed, cpu, shards_cpu, phases = 0.0, 0, 0.0, None, None
     for step in range(steps):
         if step == WARMUP:
             pushed = -_shard_push_bytes(system, opt, rank, barrier)
             start, cpu = time.perf_counter(), time.process_time()
             shards_cpu = _shards_cpu(shard_pids) if rank == 0 else None
+            phases = _node_phases(opt) if system == "shardps_node" and rank == 0 else None
         x, y = batch(kind, step, WORKERS * per_worker)
         mine = slice(rank * per_worker, (rank + 1) * per_worker)
         opt.zero_grad()
@@ -234,6 +250,10 @@ def _worker(
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if shards_cpu is not None:
         shards_cpu = _shards_cpu(shard_pids) - shards_cpu
+    if phases is not None:
+        Path(out_dir, "phases.json").write_text(json.dumps({
+            phase: 1e3 * (total - phases[phase][0]) / max(1.0, count - phases[phase][1])
+            for phase, (total, count) in _node_phases(opt).items()}))
     pushed += _shard_push_bytes(system, opt, rank, barrier)
     held = state_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *_optimizer_tensors(opt)])
     with torch.no_grad():
@@ -266,6 +286,8 @@ def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -
             if cluster:
                 cluster.stop()
         rows = [Path(out, f"{r}.txt").read_text().split() for r in range(WORKERS)]
+        phase_file = Path(out, "phases.json")  # shardps_node: its leader's phases
+        phase_ms = json.loads(phase_file.read_text()) if phase_file.exists() else None
     seconds = max(float(r[0]) for r in rows)
     losses = [float(r[1]) for r in rows]
     assert losses[0] == losses[1], f"{system}: workers disagree on the final parameters"
@@ -276,6 +298,8 @@ def run(kind: str, system: str, steps: int, per_worker: int, chunk_bytes: int) -
         "rss_growth_bytes": max(int(r[3]) for r in rows),
         "model_state_bytes": max(int(r[4]) for r in rows),
     }
+    if phase_ms is not None:
+        result["node_phase_ms"] = phase_ms
     if system in SHARDPS:
         result["push_bytes_per_step"] = int(rows[0][5]) / (steps - WARMUP)  # read on rank 0
     shards_cpu = float(rows[0][7])  # read on rank 0; -1: no /proc
@@ -342,6 +366,9 @@ def main() -> None:
                                 "ratio_samples_per_s_vs_ddp": n["ratio_samples_per_s_vs_ddp"], "met": met}
             print(f"goal (MLP): shardps_node >= {NODE_GOAL:.2f}x DDP samples/s: "
                   f"{'met' if met else 'NOT met'} ({n['ratio_samples_per_s_vs_ddp']:.2f}x)")
+        if "node_phase_ms" in n:
+            print("shardps_node phases on the leader, ms per step: "
+                  + ", ".join(f"{phase} {ms:.1f}" for phase, ms in n["node_phase_ms"].items()))
         if "cpu_bound_samples_per_s" in n:
             bound = n["cpu_bound_samples_per_s"] / d["samples_per_s"]
             out["node_cpu_bound_ratio_vs_ddp"] = bound

@@ -55,6 +55,13 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
                     assert "wrapped by a NodeOptimizer" in str(exc), exc
                 with open(f"{out}/{name}-{i}.pushed.json", "w") as f:
                     json.dump(node_opt.last_pushed_bytes, f)
+                if local == 0:  # the leader times each phase of a split step; the leader path has none
+                    registry = node_opt.metrics.registry
+                    for phase in ("reduce_scatter", "push_pull", "all_gather"):
+                        count = registry.get_sample_value("shardps_worker_node_phase_seconds_count", {"phase": phase})
+                        total = registry.get_sample_value("shardps_worker_node_phase_seconds_sum", {"phase": phase})
+                        split = not name.endswith(":leader")
+                        assert count == (STEPS if split else 0) and (total > 0) == split, (name, phase, count, total)
                 if local == 0:  # the node's optimizer state lives on the shards; its leader reads it
                     state = node_opt.state_dict()
                     torch.save(state, f"{out}/{name}-{i}.state.pt")

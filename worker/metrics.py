@@ -1,8 +1,8 @@
 """Prometheus metrics of one worker process (prometheus-client).
 
 No series names a worker: Prometheus' ``instance`` label (the scrape target)
-tells worker processes apart, so labels stay bounded (``method`` only, a
-fixed set of call names).
+tells worker processes apart, so labels stay bounded (``method`` and ``phase``
+only: fixed sets of call and phase names).
 
 ==================================  =========  ==========================================================
 name                                type       what
@@ -17,6 +17,9 @@ shardps_worker_steps_total          counter    steps (rounds) finished
 shardps_worker_samples_total        counter    samples the trainer reported (:meth:`WorkerMetrics.count_samples`)
 shardps_worker_samples_per_second   gauge      samples of the last step over its step seconds
 shardps_worker_retries_total{method} counter   calls retried after UNAVAILABLE / DEADLINE_EXCEEDED
+shardps_worker_node_phase_seconds   histogram  one phase of a ``NodeOptimizer`` step by chunk ownership, on
+  {phase}                                      the node leader: ``reduce_scatter`` (the local ranks' gradients),
+                                               ``push_pull`` (its own shards), ``all_gather`` (the new model)
 shardps_worker_info{version}        gauge      1; the software version
 ==================================  =========  ==========================================================
 """
@@ -34,6 +37,8 @@ from shardps.proto.version import shardps_version
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: The ``method`` label's values: the calls a worker retries; anything else counts as ``other``.
 RETRIED_METHODS = ("join", "leave", "reset", "stats", "checkpoint", "heartbeat", "pull", "export", "other")
+#: The ``phase`` label's values: the phases of a ``NodeOptimizer`` step by chunk ownership, in order.
+NODE_PHASES = ("reduce_scatter", "push_pull", "all_gather")
 
 
 class WorkerMetrics:
@@ -60,6 +65,11 @@ class WorkerMetrics:
                                 ("method",), registry=r)
         for method in RETRIED_METHODS:
             self._retries.labels(method)
+        self._node_phases = Histogram("shardps_worker_node_phase_seconds", "One phase of a NodeOptimizer step by "
+                                      "chunk ownership, on the node leader (seconds).", ("phase",),
+                                      buckets=SECONDS_BUCKETS, registry=r)
+        for phase in NODE_PHASES:
+            self._node_phases.labels(phase)
         Gauge("shardps_worker_info", "The shardps software version (always 1).", ("version",),
               registry=r).labels(shardps_version()).set(1)
         self._lock = threading.Lock()
@@ -98,6 +108,16 @@ class WorkerMetrics:
         self.pull_seconds.observe(max(0.0, pull_seconds))
         self.pushed_bytes.inc(pushed_bytes)
         self.pulled_bytes.inc(pulled_bytes)
+
+    def node_phase(self, phase: str, seconds: float) -> None:
+        """The node leader finished ``phase`` (one of :data:`NODE_PHASES`) of a step, in ``seconds`` of wall time.
+
+        Raises:
+            ValueError: ``phase`` is not one of :data:`NODE_PHASES`.
+        """
+        if phase not in NODE_PHASES:
+            raise ValueError(f"phase must be one of {NODE_PHASES}, got {phase!r}")
+        self._node_phases.labels(phase).observe(max(0.0, seconds))
 
     def retried(self, what: str) -> None:
         """A call is retried; ``what`` is the retry's description (its first word names the call)."""

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -68,7 +69,7 @@ from shardps.worker import state as optimizer_state
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.recovery import rejoin_failed
 from shardps.worker.retry import RetryPolicy
-from shardps.worker.shares import (NodeSession, ShardShare, copy_pieces, owner, param_pieces, reduce_scatter,
+from shardps.worker.shares import (NodeSession, ShardShare, all_gather, owner, param_pieces, reduce_scatter,
                                    shard_segments)
 
 log = logging.getLogger(__name__)
@@ -328,7 +329,9 @@ class NodeOptimizer:
                 self._grad_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
             flat, present = self._flat_grads(out=self._grad_buffer)
             dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+            began = time.perf_counter()
             self._scratch = reduce_scatter(flat, self._segments, self.rank, self.size, self.group, self._scratch)
+            self._phase("reduce_scatter", began)
             absent_index = [i for i, has in enumerate(present.tolist()) if not has]
             box = [self._begin_round(absent_index) if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=self._leader, group=self.group)
@@ -342,7 +345,9 @@ class NodeOptimizer:
             for b in self._buffers:
                 dist.broadcast(b, src=self._leader, group=self.group)
             absent = {self._names[i] for i in absent_index}
+            began = time.perf_counter()
             applied, failed = self._share.push_pull(versions, pb.RoundTrailer.FromString(trailer), flat, absent)
+            self._phase("push_pull", began)
             outcome = torch.zeros(len(self._segments), dtype=torch.int64, device=self.device)
             for shard, version in applied.items():
                 outcome[shard] = version
@@ -353,11 +358,18 @@ class NodeOptimizer:
             if min(received) < 0:
                 received = self._round_failed(received, failed)
             else:
+                began = time.perf_counter()
                 self._gather_shares()
+                self._phase("all_gather", began)
             if self.inner is not None:
                 self.inner.versions = received
                 self.inner.metrics.step_finished()
             self.version = min(received)
+
+    def _phase(self, phase: str, began: float) -> None:
+        """On the leader: observe ``shardps_worker_node_phase_seconds{phase}``, from ``began`` (perf_counter) to now."""
+        if self.inner is not None:
+            self.inner.metrics.node_phase(phase, time.perf_counter() - began)
 
     def _round_failed(self, received: list[int], failed: list[tuple[int, BaseException]]) -> list[int]:
         """After a push failed on some rank: rejoin the shards that restarted, or raise on every rank.
@@ -402,25 +414,10 @@ class NodeOptimizer:
 
     def _gather_shares(self) -> None:
         """All-gather: every shard's range of the parameters, and its buffer chunks, from the rank that pulled them."""
-        if self._params:
-            if self._param_buffer is None:
-                self._param_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
-            flat = self._param_buffer
-            copy_pieces(flat, [x for s in self._owned for x in self._pieces[s]], into_flat=True)
-            for s, segments in enumerate(self._segments):
-                src = self._global(owner(s, self.size))
-                for a, n in segments:
-                    dist.broadcast(flat.narrow(0, a, n), src=src, group=self.group)
-            copy_pieces(flat, [x for s in self._pieces if s not in self._owned for x in self._pieces[s]],
-                        into_flat=False)
-        for c in self._buffer_chunks:
-            b = self._buffer_map[c.key]
-            dist.broadcast(b.view(-1).narrow(0, c.offset, c.numel), src=self._global(owner(c.shard, self.size)),
-                           group=self.group)
-
-    def _global(self, local: int) -> int:
-        """The global rank of local rank ``local`` of the node's group."""
-        return dist.get_global_rank(self.group, local) if self.group is not None else local
+        if self._params and self._param_buffer is None:
+            self._param_buffer = torch.empty(self._numel, dtype=torch.float32, device=self.device)
+        all_gather(self._param_buffer if self._params else None, self._pieces, self._segments, self.rank, self.size,
+                   self.group, [(self._buffer_map[c.key], c) for c in self._buffer_chunks])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's gradients (``torch.optim.Optimizer.zero_grad``)."""

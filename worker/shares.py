@@ -122,9 +122,6 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
     Raises:
         RuntimeError: from ``torch.distributed`` if a peer fails or the group is broken.
     """
-    def peer(local: int) -> int:
-        return dist.get_global_rank(group, local) if group is not None else local
-
     mine = [(a, n) for s, runs in enumerate(segments) if owner(s, size) == rank for a, n in runs]
     owned = sum(n for _, n in mine)
     if size == 1:
@@ -137,7 +134,7 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
         for a, n in runs:
             tag += 1  # one tag per range: each pair's messages match by tag, never by arrival
             if dst != rank:
-                ops.append(dist.P2POp(dist.isend, flat.narrow(0, a, n), peer(dst), group, tag))
+                ops.append(dist.P2POp(dist.isend, flat.narrow(0, a, n), _peer(group, dst), group, tag))
                 continue
             terms = []
             for r in range(size):
@@ -145,7 +142,7 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
                     terms.append(flat.narrow(0, a, n))
                 else:
                     terms.append(scratch.narrow(0, at, n))
-                    ops.append(dist.P2POp(dist.irecv, terms[-1], peer(r), group, tag))
+                    ops.append(dist.P2POp(dist.irecv, terms[-1], _peer(group, r), group, tag))
                     at += n
             sums.append((flat.narrow(0, a, n), terms))
     if ops:
@@ -159,6 +156,43 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
             out.copy_(total)
         out.div_(size)
     return scratch if owned else None
+
+
+def all_gather(flat: torch.Tensor | None, pieces: dict[int, list[tuple[torch.Tensor, int, int, int]]],
+               segments: list[list[tuple[int, int]]], rank: int, size: int, group: dist.ProcessGroup | None,
+               buffer_chunks: Sequence[tuple[torch.Tensor, Chunk]] = ()) -> None:
+    """Give every local rank each shard's new parameters (and buffer chunks) from the shard's owner, in place.
+
+    The owner pulled them into its parameters; they go through ``flat`` (one
+    ``dist.broadcast`` per range of :func:`shard_segments`) and back out into
+    every other rank's parameters.
+
+    Args:
+        flat: a float32 buffer of the flat vector's numel, reused across steps; ``None``
+            when the plan has no parameters.
+        pieces: ``{shard: param_pieces(...)}``: where each shard's ranges fall in the parameters.
+        segments: :func:`shard_segments` of the plan.
+        rank, size, group: this rank's index within the node, the node's number of local
+            ranks, and its process group (``None``: the default group).
+        buffer_chunks: ``(buffer, chunk)`` of every buffer chunk of the plan.
+
+    Raises:
+        RuntimeError: from ``torch.distributed`` if a peer fails or the group is broken.
+    """
+    if flat is not None:
+        owned = [s for s in pieces if owner(s, size) == rank]
+        copy_pieces(flat, [x for s in owned for x in pieces[s]], into_flat=True)
+        for s, runs in enumerate(segments):
+            for a, n in runs:
+                dist.broadcast(flat.narrow(0, a, n), src=_peer(group, owner(s, size)), group=group)
+        copy_pieces(flat, [x for s in pieces if s not in owned for x in pieces[s]], into_flat=False)
+    for b, c in buffer_chunks:
+        dist.broadcast(b.view(-1).narrow(0, c.offset, c.numel), src=_peer(group, owner(c.shard, size)), group=group)
+
+
+def _peer(group: dist.ProcessGroup | None, local: int) -> int:
+    """The global rank of local rank ``local`` of ``group`` (``None``: the default group)."""
+    return dist.get_global_rank(group, local) if group is not None else local
 
 
 @dataclass(frozen=True)

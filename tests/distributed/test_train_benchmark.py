@@ -45,5 +45,10 @@ def test_train_benchmark_matches_ddp_math(tmp_path: Path) -> None:
     assert workers >= 4 * result["params"], "the 2 workers push less than 2 fp32 gradients per step"
     assert 0.4 * workers <= node <= 0.6 * workers
     assert 0.4 <= result["ratio_push_bytes_node_vs_workers"] <= 0.6
+    # the leader's phase histograms: every phase timed in every timed step, together no longer than the steps
+    phases = result["shardps_node"]["node_phase_ms"]
+    assert set(phases) == {"reduce_scatter", "push_pull", "all_gather"} and min(phases.values()) > 0, phases
+    step_ms = 1e3 * 2 * result["per_worker_batch"] / result["shardps_node"]["samples_per_s"]
+    assert sum(phases.values()) <= step_ms, (phases, step_ms)
     assert "met" in result["node_goal"]  # the goal is reported for the MLP, never asserted
     assert "samples/s" in proc.stdout and "x DDP" in proc.stdout
