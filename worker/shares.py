@@ -101,10 +101,10 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
     Point to point: every rank sends each range it does not own to the range's
     owner (``owner(s, size)``), and each owner receives the other ranks' copies
     of its ranges and sums them in local-rank order, then divides by ``size``
-    (so the result does not depend on arrival order). On this 2-core machine
-    this took 34-40 ms per step for the 10.5 M-parameter MLP where one
-    ``dist.reduce`` per shard took 60-90 ms (Gloo's reduce copies and chunks
-    more). One ``dist.batch_isend_irecv``: Gloo on CPU, NCCL on CUDA.
+    (so the result does not depend on arrival order). For the 10.5 M-parameter
+    MLP of ``benchmarks/train.py`` on 2 cores this took 31-45 ms per step
+    where one ``dist.reduce`` per shard took 60-90 ms (Gloo's reduce copies
+    and chunks more). One ``dist.batch_isend_irecv``: Gloo on CPU, NCCL on CUDA.
 
     Args:
         flat: this rank's gradients, the flat vector of :func:`shard_segments`
