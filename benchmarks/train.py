@@ -21,9 +21,9 @@ Systems (``--systems``, all by default):
   2 shards, but both processes are local ranks of one node in one Gloo
   process group (``shardps.worker.node.NodeOptimizer``), by chunk
   ownership: each shard's range is averaged on the local rank that owns
-  the shard (point-to-point sends, ``shares.reduce_scatter``), each rank pushes and pulls its own shard as
-  the single contributor ``node0`` (shards started with ``min_workers=1``),
-  then one ``dist.broadcast`` per range gives every rank the whole model;
+  the shard (point-to-point sends, ``shares.reduce_scatter``), each rank
+  pushes and pulls its own shard as the single contributor ``node0``
+  (shards started with ``min_workers=1``), then one ``dist.broadcast`` per range gives every rank the whole model;
   no overlapped pull;
 - ddp: DistributedDataParallel over Gloo (``gradient_as_bucket_view=True``),
   AdamW on every process;

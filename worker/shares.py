@@ -122,10 +122,9 @@ def reduce_scatter(flat: torch.Tensor, segments: list[list[tuple[int, int]]], ra
     Raises:
         RuntimeError: from ``torch.distributed`` if a peer fails or the group is broken.
     """
-    mine = [(a, n) for s, runs in enumerate(segments) if owner(s, size) == rank for a, n in runs]
-    owned = sum(n for _, n in mine)
     if size == 1:
         return scratch
+    owned = sum(n for s, runs in enumerate(segments) if owner(s, size) == rank for _, n in runs)
     if owned and (scratch is None or scratch.numel() != (size - 1) * owned):
         scratch = torch.empty((size - 1) * owned, dtype=flat.dtype, device=flat.device)
     ops, sums, at, tag = [], [], 0, 0

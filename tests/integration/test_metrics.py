@@ -155,3 +155,15 @@ def test_a_metrics_port_in_use_is_an_error_on_both_sides(start_cluster) -> None:
         assert list(client.stats().members) == []  # the worker never joined
     finally:
         client.close()
+
+
+def test_a_node_phase_outside_the_fixed_set_is_refused_and_changes_nothing() -> None:
+    from shardps.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    with pytest.raises(ValueError, match="phase must be one of"):
+        metrics.node_phase("reduce", 0.1)
+    metrics.node_phase("push_pull", 0.25)
+    names = {labels.get("phase") for m in metrics.registry.collect() for s in m.samples for labels in [s.labels]}
+    assert names - {None} == {"reduce_scatter", "push_pull", "all_gather"}
+    assert metrics.registry.get_sample_value("shardps_worker_node_phase_seconds_sum", {"phase": "push_pull"}) == 0.25
