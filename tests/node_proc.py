@@ -327,3 +327,28 @@ def reduce_scatter_ranks(rank: int, out: str, size: int) -> None:
             torch.save(flat, f"{out}/scatter-{rank}-{case}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def reduce_scatter_peer_dies(rank: int, out: str) -> None:
+    """2 Gloo ranks: rank 1 SIGKILLs itself instead of taking part in the second reduce_scatter; rank 0 writes
+    ``<out>/peer-dies.json`` with what its reduce_scatter raised and after how many seconds."""
+    import datetime
+    import time
+
+    from shardps.worker.shares import reduce_scatter
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/peer-dies.rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    segments = [[(0, 4096)], [(4096, 4096)]]
+    flat = scatter_grad(rank, 8192)
+    reduce_scatter(flat, segments, rank, 2, None)  # a good one first: the pair is connected
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    began = time.monotonic()
+    try:
+        reduce_scatter(flat, segments, rank, 2, None)
+        error = ""
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with open(f"{out}/peer-dies.json", "w") as f:
+        json.dump({"error": error, "seconds": time.monotonic() - began}, f)

@@ -19,6 +19,7 @@ diverged: every later step raises on every rank), split with clipping.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -288,3 +289,25 @@ def test_reduce_scatter_averages_each_range_on_its_owner_in_rank_order(tmp_path:
                     for a, n in runs:
                         want[a : a + n] = total[a : a + n]
             assert torch.equal(got, want), (case, rank, (got - want).abs().max())
+
+
+def test_reduce_scatter_raises_when_a_local_rank_is_killed(tmp_path: Path) -> None:
+    """A local rank SIGKILLed before a reduce_scatter: the other rank raises (Gloo sees the closed connection)
+    within seconds, it does not hang until the group's 60 s timeout."""
+    context = mp.start_processes(node_proc.reduce_scatter_peer_dies, args=(str(tmp_path),), nprocs=2, join=False,
+                                 start_method=START)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "peer-dies.json").exists():
+            assert time.monotonic() < deadline, "rank 0 neither raised nor finished within 90 s"
+            time.sleep(0.2)
+        for p in context.processes:
+            p.join(timeout=30)
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    assert context.processes[1].exitcode == -signal.SIGKILL
+    result = json.loads((tmp_path / "peer-dies.json").read_text())
+    assert result["error"], "rank 0's reduce_scatter returned although its peer was dead"
+    assert result["seconds"] < 30, result
