@@ -216,7 +216,7 @@ class Clusters:
 
 def shardps_figures(cluster: Any, kind: str) -> dict:
     """The final model's loss (parameters exported from the shards) and shard 0's staleness histogram."""
-    from shardps.worker.client import ShardClient
+    from shardps.worker.session.client import ShardClient
     from shardps.worker.export import from_servers
 
     exported = from_servers(cluster.servers, wait_seconds=30.0)

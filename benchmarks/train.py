@@ -19,7 +19,7 @@ Systems (``--systems``, all by default):
   (2 contributors per round); pulls overlap the next forward (``model=``);
 - shardps_node (1 node x 2 local ranks, reduction within the node): the same
   2 shards, but both processes are local ranks of one node in one Gloo
-  process group (``shardps.worker.node.NodeOptimizer``), by chunk
+  process group (``shardps.worker.node.optimizer.NodeOptimizer``), by chunk
   ownership: each shard's range is averaged on the local rank that owns
   the shard (point-to-point sends, ``shares.reduce_scatter``), each rank
   pushes and pulls its own shard as the single contributor ``node0``
@@ -219,7 +219,7 @@ def _worker(
                                    model.named_parameters(), servers=servers, worker_id=f"bench-{rank}",
                                    model=model, chunk_bytes=chunk_bytes)
     elif system == "shardps_node":
-        from shardps.worker.node import NodeOptimizer
+        from shardps.worker.node.optimizer import NodeOptimizer
 
         opt = NodeOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
                             servers=servers, node_id="node0", named_buffers=model.named_buffers(),

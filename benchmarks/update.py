@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import emit, parser, table  # noqa: E402
 
-from shardps.proto.optim import optimizer_spec  # noqa: E402
-from shardps.proto.plan import KeyInfo, PartitionPlan  # noqa: E402
-from shardps.server.chunks import ChunkTable  # noqa: E402
-from shardps.server.optimizer import ShardOptimizer  # noqa: E402
+from shardps.common.optim import optimizer_spec  # noqa: E402
+from shardps.common.plan import KeyInfo, PartitionPlan  # noqa: E402
+from shardps.server.dense.chunks import ChunkTable  # noqa: E402
+from shardps.server.dense.optimizer import ShardOptimizer  # noqa: E402
 
 NUMEL = 64 * 1024 * 1024
 

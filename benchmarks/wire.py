@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 from common import emit, parser, table  # noqa: E402
 
-from shardps.proto.transport import channel_options  # noqa: E402
+from shardps.common.transport import channel_options  # noqa: E402
 from shardps.worker import DistributedOptimizer, LocalCluster  # noqa: E402
 
 MODEL_BYTES = 64 << 20

@@ -38,7 +38,7 @@ Four things make this work, all at the edge of the program:
    (shards gate only the first round on ``--min-workers``).
 
 The same job from the command line: ``torchrun --standalone --nproc-per-node 2
---max-restarts 1 -m shardps.worker.cli train digits --servers ... --worker-index env``.
+--max-restarts 1 -m shardps.cli.main train digits --servers ... --worker-index env``.
 
 Prints one ``key=value`` line when it starts, when it joined, after every
 ``--log-every`` steps and when it is done (the format of ``shardps train
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from shardps.worker import DistributedOptimizer
-from shardps.worker.digits import DigitsConfig, learning_rate, load_split, make_model, steps_per_epoch, total_steps
+from shardps.apps.digits import DigitsConfig, learning_rate, load_split, make_model, steps_per_epoch, total_steps
 
 
 def say(line: str) -> None:

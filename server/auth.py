@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from shardps.proto.security import AUTH_METADATA_KEY, AUTH_SCHEME, check_token
+from shardps.common.security import AUTH_METADATA_KEY, AUTH_SCHEME, check_token
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     Args:
         token: the expected token (visible ASCII, no spaces), e.g. from
-            ``shardps.proto.security.read_token_file``.
+            ``shardps.common.security.read_token_file``.
 
     Raises:
         ValueError: the token is empty or malformed.

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FLOAT_DTYPES, DecodedFrame, FrameError, decode_frame
-from shardps.proto.optim import parse_hyperparams
-from shardps.proto.plan import BUFFER_ITEMSIZE, MASTER_ITEMSIZE, MIN_CHUNK_BYTES
+from shardps.common.codec import FLOAT_DTYPES, DecodedFrame, FrameError, decode_frame
+from shardps.common.optim import parse_hyperparams
+from shardps.common.plan import BUFFER_ITEMSIZE, MASTER_ITEMSIZE, MIN_CHUNK_BYTES
 from shardps.server.config import ShardConfig
 from shardps.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from shardps.server.optimizer import SEGMENT
+from shardps.server.dense.optimizer import SEGMENT
 
 #: Longest session token (DistributedOptimizer sends 32 hex characters).
 MAX_SESSION_CHARS = 64

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
+from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 #: Room a frame needs beyond its payload (header, key, tags); bounded by the key length check.
 FRAME_OVERHEAD_BYTES = 64 << 10

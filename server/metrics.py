@@ -38,9 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.version import shardps_version
+from shardps.common.version import shardps_version
 from shardps.server.auth import HANDLER_KINDS
-from shardps.server.modes import MODES
+from shardps.server.consistency.modes import MODES
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"]
 METHODS = tuple(m.name for m in SERVICE.methods)

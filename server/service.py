@@ -9,7 +9,7 @@ Every method takes its request as raw bytes (identity deserializers) and
 parses it itself, so a malformed body gets INVALID_ARGUMENT instead of
 gRPC's INTERNAL; ``Frame`` streams stay raw bytes end to end so chunk
 payloads are never copied through protobuf objects (see
-``shardps.proto.codec``). A :class:`~shardps.server.errors.ShardError` becomes
+``shardps.common.codec``). A :class:`~shardps.server.errors.ShardError` becomes
 the status of the same name; anything else is a bug: logged with its
 traceback and answered INTERNAL.
 """
@@ -27,9 +27,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_control
-from shardps.proto.security import read_token_file, server_credentials
-from shardps.proto.transport import channel_options
+from shardps.common.codec import encode_control
+from shardps.common.security import read_token_file, server_credentials
+from shardps.common.transport import channel_options
 from shardps.server import checks
 from shardps.server.auth import HANDLER_KINDS, BearerTokenInterceptor
 from shardps.server.config import ShardConfig

@@ -24,21 +24,21 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FLOAT_DTYPES
+from shardps.common.codec import FLOAT_DTYPES
 from shardps.server import checks
-from shardps.server.checkpointing import Checkpoints
+from shardps.server.snapshots.checkpoints import Checkpoints
 from shardps.server.checks import shown
 from shardps.server.config import ShardConfig
 from shardps.server.errors import (
     Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable,
 )
-from shardps.server.admission import Admission
-from shardps.server.job import Job
-from shardps.server.membership import Member, Membership
+from shardps.server.membership.admission import Admission
+from shardps.server.membership.job import Job
+from shardps.server.membership.members import Member, Membership
 from shardps.server.metrics import ShardMetrics
-from shardps.server.optimizer import ShardOptimizer
-from shardps.server.rounds import Rounds
-from shardps.server.state_calls import StateCalls
+from shardps.server.dense.optimizer import ShardOptimizer
+from shardps.server.consistency.rounds import Rounds
+from shardps.server.between_rounds import StateCalls
 from shardps.server.stats import stats_reply
 from shardps.server.notifier import Notifier
 

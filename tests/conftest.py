@@ -1,6 +1,6 @@
 """Shared fixtures: real shard processes on 127.0.0.1 free ports, always stopped.
 
-Shards are forked from a preloaded interpreter (``tests.forked``): the same
+Shards are forked from a preloaded interpreter (``tests.support.forked``): the same
 ``shardps-server`` code in its own process, without paying torch's import
 for each of the ~100 shards the suite starts.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardps.worker.cluster import LocalCluster
-from tests.forked import ForkedCluster
+from tests.support.forked import ForkedCluster
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """``LocalCluster``: shard processes on 127.0.0.1 free ports, for jobs and tests on one machine.
 
-Shards run as ``python -m shardps.server`` subprocesses (the worker package
+Shards run as ``python -m shardps.cli.server`` subprocesses (the worker package
 never imports the server package).
 """
 
@@ -90,7 +90,7 @@ class LocalCluster:
                 "--num-shards", str(self.num_shards), "--min-workers", str(self.min_workers), *self.extra_args]
 
     def _spawn(self, shard: int, port: int = 0) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "shardps.server", *self.shard_args(shard, port)]
+        cmd = [sys.executable, "-m", "shardps.cli.server", *self.shard_args(shard, port)]
         with open(self.log_path(shard), "ab") as err:
             # unbuffered: select() must see every line the shard printed (a buffered readline could swallow two)
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, bufsize=0)

@@ -11,7 +11,7 @@ Versions: in sync training every shard applies the same rounds, so an
 export is consistent when every shard is at the same version. A live
 export waits (up to ``wait_seconds``) for the shards to agree, and refuses
 when they do not (a round was in flight throughout, or a shard restored an
-older checkpoint, see ``shardps.worker.recovery``), naming each shard's
+older checkpoint, see ``shardps.worker.session.recovery``), naming each shard's
 version, unless ``allow_mixed_versions``. From checkpoints, the newest
 intact checkpoint of each shard is taken, or the one of ``version``.
 
@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.checkpoint import newest
-from shardps.proto.codec import TORCH_DTYPES
-from shardps.proto.plan import PartitionPlan
-from shardps.proto.security import ChannelSecurity
-from shardps.worker.client import ShardClient
-from shardps.worker.rounds import ParameterSink
+from shardps.common.addresses import parse_servers
+from shardps.common.checkpoint import newest
+from shardps.common.codec import TORCH_DTYPES
+from shardps.common.plan import PartitionPlan
+from shardps.common.security import ChannelSecurity
+from shardps.worker.session.client import ShardClient
+from shardps.worker.pipeline.streams import ParameterSink
 
 
 @dataclass
@@ -103,8 +104,7 @@ def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = No
         ShardRpcError: a shard refused or could not be reached (after retries).
         ConnectionError: a shard did not answer at all.
     """
-    if isinstance(servers, str):
-        servers = [s for s in servers.split(",") if s]
+    servers = parse_servers(servers)
     clients = [ShardClient(a, index=i, rpc_timeout=rpc_timeout, connect_timeout=connect_timeout, security=security)
                for i, a in enumerate(servers)]
     try:

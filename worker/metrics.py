@@ -31,7 +31,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from shardps.proto.version import shardps_version
+from shardps.common.version import shardps_version
 
 #: Step, push and pull durations, seconds.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -11,8 +11,8 @@ loss scaling act on the averaged gradient through the wrapper, learning
 rates and every other hyperparameter are read at ``step()``, and a gradient
 edited after its push started is an error instead of a race.
 
-Each step opens one PushPull stream per shard (``shardps.worker.rounds``);
-joining and initialising the shards follows ``shardps.worker.join``.
+Each step opens one PushPull stream per shard (``shardps.worker.pipeline.streams``);
+joining and initialising the shards follows ``shardps.worker.session.join``.
 """
 
 from __future__ import annotations
@@ -30,23 +30,23 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FLOAT_DTYPES, wire_dtype
-from shardps.proto.optim import optimizer_spec
-from shardps.proto.plan import Chunk, PartitionPlan, keys_from_named_parameters
-from shardps.proto.security import ChannelSecurity
-from shardps.proto.transport import DEFAULT_MAX_MESSAGE_BYTES
-from shardps.worker import state as optimizer_state
-from shardps.worker.client import ShardClient, ShardRpcError
-from shardps.worker.commit import RoundOptions, await_decision
-from shardps.worker.join import JoinPlan, join_job
-from shardps.worker.recovery import Recovery
-from shardps.worker.retry import RetryPolicy
-from shardps.worker.overlap import ForwardWaits
-from shardps.worker.lease import Leases
+from shardps.common.codec import FLOAT_DTYPES, wire_dtype
+from shardps.common.optim import optimizer_spec
+from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
+from shardps.common.security import ChannelSecurity
+from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
+from shardps.worker import optimizer_state as optimizer_state
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from shardps.worker.pipeline.commit import RoundOptions, await_decision
+from shardps.worker.session.join import JoinPlan, join_job
+from shardps.worker.session.recovery import Recovery
+from shardps.worker.session.retry import RetryPolicy
+from shardps.worker.pipeline.overlap import ForwardWaits
+from shardps.worker.session.leases import Leases
 from shardps.worker.metrics import WorkerMetrics
-from shardps.worker.rounds import GradientEditedError, ParameterSink, Round
-from shardps.worker.steps import RoundSteps
-from shardps.worker.tensors import HyperparamChanges, buffer_infos, static_digest
+from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
+from shardps.worker.pipeline.steps import RoundSteps
+from shardps.worker.pipeline.tensors import HyperparamChanges, buffer_infos, static_digest
 
 __all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id", "mode_spec"]
 
@@ -143,10 +143,10 @@ class DistributedOptimizer(RoundSteps):
         retry_seconds: how long repeatable calls (Join, Pull, Stats, ...) are
             retried after UNAVAILABLE or DEADLINE_EXCEEDED, with capped
             exponential backoff and jitter, before ``ShardRpcError``; also how
-            long a restarting shard is waited for (``shardps.worker.recovery``).
+            long a restarting shard is waited for (``shardps.worker.session.recovery``).
         max_message_bytes: gRPC message limit in bytes (must match the shards').
         security: TLS, mutual TLS and the bearer token of every channel
-            (``shardps.proto.security.ChannelSecurity``; default: plaintext, no token).
+            (``shardps.common.security.ChannelSecurity``; default: plaintext, no token).
         metrics_port: serve this worker's Prometheus metrics (``shardps.worker.metrics``)
             over HTTP on ``metrics_host:metrics_port`` (0: a free one, then read
             ``metrics_port`` after construction); None (default): not served.
@@ -159,7 +159,7 @@ class DistributedOptimizer(RoundSteps):
 
     Raises:
         ValueError: bad arguments (the message names the fix).
-        shardps.proto.optim.OptimizerSpecError: an optimizer the shards cannot run.
+        shardps.common.optim.OptimizerSpecError: an optimizer the shards cannot run.
         ConnectionError: a shard did not answer.
         ShardRpcError: a shard refused to join (e.g. a plan mismatch).
         RuntimeError: the metrics port could not be bound.

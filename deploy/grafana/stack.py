@@ -247,7 +247,7 @@ class TrainingJob:
     def start(self) -> "TrainingJob":
         self.logdir.mkdir(parents=True, exist_ok=True)
         for i in range(self.workers):
-            cmd = [sys.executable, "-m", "shardps.worker.cli", "train", "digits", "--servers", self.servers,
+            cmd = [sys.executable, "-m", "shardps.cli.main", "train", "digits", "--servers", self.servers,
                    "--workers", str(self.workers), "--worker-index", str(i), "--epochs", str(self.epochs),
                    "--mode", self.mode, "--metrics-port", "0", "--log-every", "0", *self.extra_args]
             with open(self.logdir / f"worker-{i}.log", "ab") as err:

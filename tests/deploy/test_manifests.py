@@ -30,8 +30,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.distributed.run import get_args_parser as torchrun_parser
 
-from shardps.server import cli as server_cli
-from shardps.worker import cli as worker_cli
+from shardps.cli import server as server_cli
+from shardps.cli import main as worker_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

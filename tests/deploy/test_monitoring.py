@@ -330,7 +330,7 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_pa
     and evaluate without errors, and a few values (rounds advance, both workers
     counted live, step times positive).
     """
-    from tests.forked import ForkedCluster
+    from tests.support.forked import ForkedCluster
 
     queries = [("panel " + title, q) for title, q in dashboard_queries()]
     queries += [("alert " + name, q) for name, q in alert_queries()]

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardps.worker.client import ShardClient
+from shardps.worker.session.client import ShardClient
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardps.worker.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "shardps.cli.main", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import run_worker as run_process
-from tests.procs import shard_stats as stats_of
+from tests.support.procs import run_worker as run_process
+from tests.support.procs import shard_stats as stats_of
 
 
 def run_worker(servers: str, steps: int) -> subprocess.CompletedProcess:

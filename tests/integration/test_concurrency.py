@@ -20,11 +20,11 @@ import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import copy_payload, decode_frame, encode_chunk, encode_control, encode_round
-from shardps.proto.optim import optimizer_spec
-from shardps.proto.plan import KeyInfo, PartitionPlan
-from shardps.worker.client import ShardClient
-from tests.raw import SERVING, health_status
+from shardps.common.codec import copy_payload, decode_frame, encode_chunk, encode_control, encode_round
+from shardps.common.optim import optimizer_spec
+from shardps.common.plan import KeyInfo, PartitionPlan
+from shardps.worker.session.client import ShardClient
+from tests.support.raw import SERVING, health_status
 
 CLIENTS = int(os.environ.get("SHARDPS_TEST_CLIENTS", 256))
 ROUNDS = int(os.environ.get("SHARDPS_TEST_ROUNDS", 20))

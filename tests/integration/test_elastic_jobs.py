@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from shardps.worker.cli import launcher_rank
-from shardps.worker.digits import DigitsConfig, rank_worker_id, total_steps
-from tests.procs import REPO, shard_stats
+from shardps.cli.main import launcher_rank
+from shardps.apps.digits import DigitsConfig, rank_worker_id, total_steps
+from tests.support.procs import REPO, shard_stats
 
 LEASE = 3.0
 #: The shards drop a dead member within a lease (plus a quarter-lease check); rounds must go on within this.
@@ -107,7 +107,7 @@ def shard_logs(cluster, lines: int = 30) -> str:
 
 
 def digits_command(servers: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "shardps.worker.cli", "train", "digits", "--servers", servers, "--log-every", "1",
+    return [sys.executable, "-m", "shardps.cli.main", "train", "digits", "--servers", servers, "--log-every", "1",
             *args]
 
 
@@ -192,7 +192,7 @@ def test_torchrun_restarts_a_killed_rank_into_the_same_job(start_cluster, tmp_pa
     total = total_steps(DigitsConfig(workers=2, epochs=TORCHRUN_EPOCHS))
     job = f"tr-{entry}"
     if entry == "cli":
-        script = ["-m", "shardps.worker.cli", "train", "digits", "--worker-index", "env", "--no-progress"]
+        script = ["-m", "shardps.cli.main", "train", "digits", "--worker-index", "env", "--no-progress"]
     else:
         script = [str(REPO / "examples" / "torchrun_digits.py")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

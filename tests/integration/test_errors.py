@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_chunk, encode_round
-from shardps.proto.optim import optimizer_spec
-from shardps.proto.plan import KeyInfo, PartitionPlan
-from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.common.codec import encode_chunk, encode_round
+from shardps.common.optim import optimizer_spec
+from shardps.common.plan import KeyInfo, PartitionPlan
+from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.raw import RawWorker
+from tests.support.raw import RawWorker
 
 CHUNK_BYTES = 256
 

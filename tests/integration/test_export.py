@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardps.worker.digits import load_split, make_model
+from shardps.apps.digits import load_split, make_model
 from shardps.worker.export import from_checkpoints
-from tests.procs import run_module
+from tests.support.procs import run_module
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run_module("shardps.worker.cli", *args, timeout=timeout)
+    return run_module("shardps.cli.main", *args, timeout=timeout)
 
 
 def accuracy(state: dict[str, torch.Tensor]) -> float:

@@ -38,12 +38,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_chunk, encode_control, encode_round
-from shardps.proto.plan import PartitionPlan
-from shardps.worker.client import ShardClient
+from shardps.common.codec import encode_chunk, encode_control, encode_round
+from shardps.common.plan import PartitionPlan
+from shardps.worker.session.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.raw import SERVING, RawWorker, health_status, plan_and_spec
-from tests.worker_proc import BATCH, data, model
+from tests.support.raw import SERVING, RawWorker, health_status, plan_and_spec
+from tests.support.worker_proc import BATCH, data, model
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", 5000))
 STEPS = 30

@@ -27,10 +27,10 @@ import time
 import torch
 from torch import nn
 
-from shardps.worker.client import ShardClient
+from shardps.worker.session.client import ShardClient
 from shardps.worker.export import from_servers
-from tests.procs import shard_stats, start_module
-from tests.raw import RawWorker, plan_and_spec
+from tests.support.procs import shard_stats, start_module
+from tests.support.raw import RawWorker, plan_and_spec
 
 LEASE = 3.0
 
@@ -69,7 +69,7 @@ def test_a_member_dying_half_way_counts_on_the_shards_that_had_its_push(start_cl
             w.init(shard, dict(model.named_parameters()))
         beating = threading.Thread(target=heartbeats, args=([w for ws in survivors for w in ws], stop), daemon=True)
         beating.start()
-        dying = start_module("tests.half_push_proc", "--servers", cluster.servers, "--worker-id", "w2", "--fill", "6",
+        dying = start_module("tests.support.half_push_proc", "--servers", cluster.servers, "--worker-id", "w2", "--fill", "6",
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert dying.stdout.readline().strip() == "pushed", dying.stderr.read()[-2000:]
         assert [list(s.pushed) for s in shard_stats(cluster.addresses)] == [["w2"], []]

@@ -1,7 +1,7 @@
 """Initialisation is all-or-nothing across shards, and bounded in time.
 
 Real shard processes are killed and restarted (SIGKILL, state lost); real
-worker processes (``tests.worker_proc``) join them.
+worker processes (``tests.support.worker_proc``) join them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker.client import ShardClient, ShardRpcError
-from tests.procs import run_worker, shard_stats
-from tests.raw import RawWorker, plan_and_spec
-from tests.worker_proc import model
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.procs import run_worker, shard_stats
+from tests.support.raw import RawWorker, plan_and_spec
+from tests.support.worker_proc import model
 
 
 def test_a_shard_that_lost_its_state_is_never_reinitialised(start_cluster) -> None:

@@ -1,6 +1,6 @@
 """Leases: a worker that crashes or hangs is dropped when its lease runs out, and the others go on.
 
-Real worker processes (``tests.worker_proc``) against real shards started
+Real worker processes (``tests.support.worker_proc``) against real shards started
 with ``--lease-seconds 2``, stopped with real signals. A round may wait for
 a dead worker at most the lease (plus the shard's check period, a quarter
 lease) before it goes on without it; the tests allow lease + 5 s.
@@ -16,8 +16,8 @@ import time
 import torch
 from torch import nn
 
-from tests.procs import shard_stats, wait_until
-from tests.procs import start_worker as start_process
+from tests.support.procs import shard_stats, wait_until
+from tests.support.procs import start_worker as start_process
 
 LEASE = 2.0
 
@@ -144,8 +144,8 @@ def test_members_expiring_together_leave_the_shard_working(start_cluster) -> Non
     """Two members whose leases run out in the same check (a whole node lost): the first one had not pushed
     the open round, the second had. Both go before the round may close, so the round never averages a push
     whose member is gone; the next worker trains on, and the shard's counters add up."""
-    from shardps.worker.client import ShardClient
-    from tests.raw import RawWorker, plan_and_spec
+    from shardps.worker.session.client import ShardClient
+    from tests.support.raw import RawWorker, plan_and_spec
 
     cluster = start_cluster(1, extra_args=("--lease-seconds", "2"))
     m = nn.Linear(4, 2)

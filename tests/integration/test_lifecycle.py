@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.procs import REPO, run_module, shard_stats, start_worker
-from tests.procs import run_worker as run_process
+from tests.support.procs import REPO, run_module, shard_stats, start_worker
+from tests.support.procs import run_worker as run_process
 
 
 def run_worker(servers: str, worker_id: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
@@ -14,7 +14,7 @@ def run_worker(servers: str, worker_id: str, steps: int, *extra: str) -> subproc
 
 
 def reset(servers: str) -> subprocess.CompletedProcess:
-    return run_module("shardps.worker.cli", "reset", "--servers", servers, timeout=60)
+    return run_module("shardps.cli.main", "reset", "--servers", servers, timeout=60)
 
 
 def versions(cluster) -> list[int]:
@@ -44,7 +44,7 @@ def test_resume_refuse_reset(start_cluster) -> None:
     finally:
         held.communicate("\n", timeout=60)
 
-    wrong = subprocess.run([sys.executable, "-m", "shardps.worker.cli", "reset", "--servers", cluster.servers,
+    wrong = subprocess.run([sys.executable, "-m", "shardps.cli.main", "reset", "--servers", cluster.servers,
                             "--job-id", "not-this-job"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "not 'not-this-job'" in wrong.stderr, wrong.stderr
     assert versions(cluster) == [5, 5]

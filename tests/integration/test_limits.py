@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_chunk, encode_round
-from shardps.worker.client import ShardClient, ShardRpcError
-from tests.raw import SERVING, RawWorker, health_status, plan_and_spec, raw_call, raw_stream, snapshot
+from shardps.common.codec import encode_chunk, encode_round
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.raw import SERVING, RawWorker, health_status, plan_and_spec, raw_call, raw_stream, snapshot
 
 
 def rss_bytes(pid: int) -> int:

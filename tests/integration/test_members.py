@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker.client import ShardClient, ShardRpcError
-from tests.procs import start_worker
-from tests.raw import RawWorker, plan_and_spec, snapshot
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.procs import start_worker
+from tests.support.raw import RawWorker, plan_and_spec, snapshot
 
 
 

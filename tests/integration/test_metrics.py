@@ -15,9 +15,9 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardps.worker.client import ShardClient
+from shardps.worker.session.client import ShardClient
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.raw import raw_call
+from tests.support.raw import raw_call
 
 STEPS = 6
 BATCH = 8
@@ -37,7 +37,7 @@ def value(samples: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Two shards with metrics and checkpoints; one worker ran STEPS steps, then made one bad call."""
-    from tests.forked import ForkedCluster
+    from tests.support.forked import ForkedCluster
 
     directory = tmp_path_factory.mktemp("ckpt")
     cluster = ForkedCluster(2, extra_args=("--metrics-port", "0", "--checkpoint-dir", str(directory))).start()

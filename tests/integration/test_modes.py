@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer, mode_spec
-from tests.threads import run_workers
+from tests.support.threads import run_workers
 
 STEPS = 12
 SLOW_SECONDS = 0.25
@@ -104,7 +104,7 @@ def test_first_joiner_fixes_the_mode(start_cluster) -> None:
 
 
 def cluster_stats(cluster) -> list:
-    from shardps.worker.client import ShardClient
+    from shardps.worker.session.client import ShardClient
 
     out = []
     for i, address in enumerate(cluster.addresses):
@@ -199,7 +199,7 @@ def test_overlap_accumulation_and_scheduler_work_in_every_mode(start_cluster, mo
 
 def test_async_push_of_a_future_version_is_refused_and_changes_nothing(start_cluster) -> None:
     """async: a push that claims to come from a version the shard has not reached yet is FAILED_PRECONDITION."""
-    from tests.raw import RawWorker, snapshot
+    from tests.support.raw import RawWorker, snapshot
 
     cluster = start_cluster(1)
     model = make_model()

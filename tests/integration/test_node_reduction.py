@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from shardps.worker.client import ShardClient
-from tests import node_proc
+from shardps.worker.session.client import ShardClient
+from tests.support import node_proc
 from tests.integration.test_sync_oracle import STEPS, make_model, train_single_with_optimizer
 
-#: The local ranks are forked from the preloaded forkserver of ``tests.forked`` (conftest imports it): real
+#: The local ranks are forked from the preloaded forkserver of ``tests.support.forked`` (conftest imports it): real
 #: processes and real Gloo groups, without torch's ~3 s import in each.
 START = "forkserver"
 NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
@@ -161,7 +161,7 @@ def test_a_shard_restarted_from_its_checkpoint_under_a_split_node_is_rejoined_wi
     to each other and to the shards' model; the loss falls.
     """
     from shardps.worker.export import from_servers
-    from tests.procs import shard_stats, wait_until
+    from tests.support.procs import shard_stats, wait_until
 
     def same_model(params: list[dict], when: str) -> None:
         held = from_servers(cluster.servers, allow_mixed_versions=True).state_dict

@@ -21,16 +21,16 @@ from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker import DistributedOptimizer
-from shardps.worker.client import ShardClient
-from tests.procs import run_module, shard_stats
-from tests.raw import RawWorker, plan_and_spec
+from shardps.worker.session.client import ShardClient
+from tests.support.procs import run_module, shard_stats
+from tests.support.raw import RawWorker, plan_and_spec
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "shardps.worker.cli"]
+CLI = [sys.executable, "-m", "shardps.cli.main"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return run_module("shardps.worker.cli", *args, timeout=timeout)
+    return run_module("shardps.cli.main", *args, timeout=timeout)
 
 
 def assert_no_pipe_error(stderr: str) -> None:
@@ -185,7 +185,7 @@ def test_version_and_bad_flags() -> None:
 
 def test_security_flags_reach_tls_and_token_shards(start_cluster, tmp_path: Path) -> None:
     """Mutual TLS and a bearer token on the shard: the flags make every command work, and their absence fails."""
-    from tests.pki import make_pki
+    from tests.support.pki import make_pki
 
     pki = make_pki(tmp_path)
     cluster = start_cluster(1, extra_args=("--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"),

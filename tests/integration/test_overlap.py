@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.threads import run_workers
+from tests.support.threads import run_workers
 
 STEPS = 12
 

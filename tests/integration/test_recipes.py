@@ -4,7 +4,7 @@ Two workers (threads of this process, each with its own replica, optimizer,
 scheduler and GradScaler) train against two real shard processes; the
 reference is one process training on the whole batch (or real DDP for
 BatchNorm, whose batch statistics are per rank). After training, every
-parameter must agree within 1e-5. Model and data: ``tests/recipes.py``.
+parameter must agree within 1e-5. Model and data: ``tests/support/recipe_net.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
-from shardps.worker.client import ShardRpcError
+from shardps.worker.session.client import ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer, GradientEditedError
-from tests.forked import start_process
-from tests.procs import shard_stats
-from tests.recipes import WORKERS, Net, ddp_rank, loss_of, part
-from tests.threads import run_workers
+from tests.support.forked import start_process
+from tests.support.procs import shard_stats
+from tests.support.recipe_net import WORKERS, Net, ddp_rank, loss_of, part
+from tests.support.threads import run_workers
 
 STEPS = 12
 TOL = 1e-5

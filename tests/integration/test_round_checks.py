@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import decode_frame
-from shardps.worker.client import ShardClient, ShardRpcError
-from tests.raw import RawWorker, plan_and_spec, raw_stream, snapshot
+from shardps.common.codec import decode_frame
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.raw import RawWorker, plan_and_spec, raw_stream, snapshot
 
 
 def model() -> nn.Module:

@@ -18,13 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import encode_round
-from shardps.proto.security import ChannelSecurity
-from shardps.worker.client import ShardClient, ShardRpcError
+from shardps.common.codec import encode_round
+from shardps.common.security import ChannelSecurity
+from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.forked import ForkedCluster, ForkedShard
-from tests.pki import TOKEN, Pki, make_pki
-from tests.raw import SERVING, health_status, snapshot
+from tests.support.forked import ForkedCluster, ForkedShard
+from tests.support.pki import TOKEN, Pki, make_pki
+from tests.support.raw import SERVING, health_status, snapshot
 
 STEPS = 3
 PATH = "/shardps.v1.Shard/"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shardps.worker.export import from_servers
-from tests.procs import shard_stats, start_worker, wait_until
+from tests.support.procs import shard_stats, start_worker, wait_until
 
 STEPS = 70
 
@@ -75,7 +75,7 @@ def test_a_restarted_shard_is_rejoined_without_restarting_workers(start_cluster,
         for p in procs:
             p.send_signal(signal.SIGSTOP)
         time.sleep(0.5)  # a round whose pushes were all in is applied meanwhile
-        from shardps.worker.client import ShardClient
+        from shardps.worker.session.client import ShardClient
 
         client = ShardClient(cluster.addresses[1], index=1)
         try:
@@ -135,8 +135,8 @@ def test_a_restarted_shard_is_rejoined_without_restarting_workers(start_cluster,
 def test_calls_retry_with_backoff_while_a_shard_restarts_then_give_up_naming_it(start_cluster) -> None:
     import grpc
 
-    from shardps.worker.client import ShardClient, ShardRpcError
-    from shardps.worker.retry import RetryPolicy
+    from shardps.worker.session.client import ShardClient, ShardRpcError
+    from shardps.worker.session.retry import RetryPolicy
 
     cluster = start_cluster(1)
     before = shard_stats(cluster.addresses)[0].incarnation
@@ -203,7 +203,7 @@ def test_a_shard_down_past_the_retry_budget_fails_steps_until_it_is_back(start_c
     import torch
 
     from shardps.worker import DistributedOptimizer
-    from shardps.worker.client import ShardRpcError
+    from shardps.worker.session.client import ShardRpcError
 
     args = ("--checkpoint-dir", str(tmp_path), "--checkpoint-every-rounds", "1")
     cluster = start_cluster(2, min_workers=1, extra_args=args)

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import torch
 
-from shardps.worker.client import ShardClient, ShardRpcError
-from tests.raw import RawWorker, plan_and_spec
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.raw import RawWorker, plan_and_spec
 
 
 def test_sigterm_stops_cleanly_and_wakes_waiting_pulls(start_cluster) -> None:

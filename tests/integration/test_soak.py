@@ -1,9 +1,9 @@
 """Churn soak: many workers on three shards for hundreds of rounds, some SIGKILLed and others joining all along.
 
 Three real shard processes (``--lease-seconds 2``) and ``SHARDPS_SOAK_WORKERS``
-real worker processes (``tests.soak_worker``, forked from the preloaded
-forkserver of ``tests.forked`` so that none pays torch's import; with
-``SHARDPS_SOAK_EXEC=1`` each is a cold ``python -m tests.soak_worker``)
+real worker processes (``tests.support.soak_worker``, forked from the preloaded
+forkserver of ``tests.support.forked`` so that none pays torch's import; with
+``SHARDPS_SOAK_EXEC=1`` each is a cold ``python -m tests.support.soak_worker``)
 train until every shard reached ``SHARDPS_SOAK_ROUNDS``. Churn, all the
 while:
 
@@ -69,11 +69,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardps.worker.client import ShardClient
-from shardps.worker.retry import RetryPolicy
-from tests import soak_worker
-from tests.forked import start_process
-from tests.procs import REPO, shard_stats, wait_until
+from shardps.worker.session.client import ShardClient
+from shardps.worker.session.retry import RetryPolicy
+from tests.support import soak_worker
+from tests.support.forked import start_process
+from tests.support.procs import REPO, shard_stats, wait_until
 
 LEASE = 2.0
 NUM_SHARDS = 3
@@ -168,7 +168,7 @@ class Launcher:
                 "--max-steps", str(max_steps), "--time-limit", str(SECONDS + 60)]
         if EXEC:
             with open(w.out, "wb") as out, open(w.err, "wb") as err:
-                w.proc = subprocess.Popen([sys.executable, "-m", "tests.soak_worker", *argv], cwd=REPO, stdout=out,
+                w.proc = subprocess.Popen([sys.executable, "-m", "tests.support.soak_worker", *argv], cwd=REPO, stdout=out,
                                           stderr=err, stdin=subprocess.DEVNULL)
         else:
             w.proc = start_process(soak_worker.forked_main, (argv, str(w.out), str(w.err)))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardps.worker.optimizer import DistributedOptimizer
-from tests.threads import run_workers
+from tests.support.threads import run_workers
 
 STEPS = 20
 BATCH = 12  # divisible by 1, 2 and 3 workers

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_round
+from shardps.common.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_round
 
 
 def decoded_values(raw: bytes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -72,7 +72,7 @@ def test_malformed_frames_raise_only_frame_error(raw: bytes) -> None:
 def test_import_leaves_warning_filters_alone_and_decoding_warns_nothing() -> None:
     code = (  # torch installs filters of its own at import: take the baseline after it
         "import warnings, torch, grpc, grpc.aio; before = list(warnings.filters); "
-        "import shardps.proto.codec, shardps.worker, shardps.server.service, shardps.server.cli, shardps.worker.cli; "
+        "import shardps.common.codec, shardps.worker, shardps.server.service, shardps.cli.server, shardps.cli.main; "
         "assert warnings.filters == before, 'importing shardps changed the warning filters'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

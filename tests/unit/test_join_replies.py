@@ -3,7 +3,7 @@
 import pytest
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker.join import _check_replies
+from shardps.worker.session.join import _check_replies
 
 
 def reply(version: int, initialise: bool = False, initialised: bool = True, job: str = "j") -> pb.JoinReply:

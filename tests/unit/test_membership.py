@@ -3,7 +3,7 @@
 import pytest
 
 from shardps.server.errors import AlreadyExists, FailedPrecondition
-from shardps.server.membership import Membership
+from shardps.server.membership.members import Membership
 
 
 class Clock:

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from shardps.proto.optim import OptimizerSpecError, build_optimizer, check_shardable, optimizer_spec
+from shardps.common.optim import OptimizerSpecError, build_optimizer, check_shardable, optimizer_spec
 
 
 def test_spec_carries_class_and_group_hyperparameters() -> None:

@@ -3,9 +3,9 @@ import functools
 import pytest
 import torch
 
-import shardps.proto.plan as plan_module
+import shardps.common.plan as plan_module
 from shardps.proto import shardps_pb2 as pb
-from shardps.proto.plan import (
+from shardps.common.plan import (
     BUFFER_ITEMSIZE,
     PLAN_FORMAT,
     BufferInfo,
@@ -13,7 +13,7 @@ from shardps.proto.plan import (
     PartitionPlan,
     keys_from_named_parameters,
 )
-from shardps.worker import digits
+from shardps.apps import digits
 
 KEYS = [KeyInfo("a.weight", (100, 10), 0), KeyInfo("a.bias", (100,), 0), KeyInfo("b.weight", (7, 3), 1)]
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from shardps.proto.optim import OptimizerSpecError, optimizer_spec
-from shardps.server import optimizer as shard_optimizer
-from shardps.server.optimizer import RoundRefused, ShardOptimizer
+from shardps.common.optim import OptimizerSpecError, optimizer_spec
+from shardps.server.dense import optimizer as shard_optimizer
+from shardps.server.dense.optimizer import RoundRefused, ShardOptimizer
 
 
 def make(cls=torch.optim.AdamW, numel=1000, **hyper):

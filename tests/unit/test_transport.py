@@ -1,7 +1,7 @@
 """gRPC options: keep-alive pings that a shard never answers with GOAWAY ``too_many_pings``; bounded reconnects."""
 
-from shardps.proto import transport
-from shardps.worker.retry import RetryPolicy
+from shardps.common import transport
+from shardps.worker.session.retry import RetryPolicy
 
 
 def test_clients_never_ping_faster_than_shards_accept() -> None:

@@ -1,0 +1,396 @@
+"""The shard's optimizer: per-parameter torch.optim semantics over flat buffers, all-or-nothing rounds.
+
+The shard keeps its parameters as one flat fp32 buffer per param group, but
+the ``torch.optim`` optimizer sees one view per key (a key's elements on a
+shard are one contiguous slice). So every parameter has its own optimizer
+state and step count, exactly as in one process: a parameter whose gradient
+is None in a round is given ``grad = None`` and torch skips it (no weight
+decay, no momentum, no state change). One fused (or foreach) call still
+steps every view of a group.
+
+A round is applied all-or-nothing. Before the real step, a dry run steps
+copies of the parameters and optimizer state, up to ``SEGMENT`` elements at
+a time in shared scratch buffers, and checks every result: the new
+parameters and the new optimizer state must all be finite, and torch must
+not raise. Only then does the real step run. A refused round leaves the
+parameters and optimizer state untouched. The optimizers are element-wise,
+so stepping copies computes exactly the values the real step computes.
+The dry run costs about one more step per round (``benchmarks/update.py``
+measures it).
+
+Clipping and loss scaling follow ``torch.nn.utils.clip_grad_norm_`` and
+``torch.amp.GradScaler`` over the averaged gradient: :meth:`ShardOptimizer.report`
+unscales it with the same kernel GradScaler uses and returns this shard's
+part of the norm; every worker combines all shards' parts into the same
+clip coefficient, which :meth:`ShardOptimizer.apply` multiplies in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection, Sequence
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.optim import OptimizerSpecError, build_optimizer
+
+#: Elements per dry-run batch (1 MiB of fp32: parameters, gradients and state stay in cache).
+SEGMENT = 1 << 18
+#: Elements of each scratch parameter the join-time trial step runs on.
+TRIAL_ELEMENTS = 64
+_IMPL_KEYS = ("params", "fused", "foreach")
+
+
+class RoundRefused(Exception):
+    """A round whose update would not be finite, or that torch refused to step.
+
+    ``key`` is the plan index of the first offending parameter, -1 when not key-specific.
+    """
+
+    def __init__(self, reason: str, key: int = -1) -> None:
+        super().__init__(reason)
+        self.reason, self.key = reason, key
+
+
+class StateError(ValueError):
+    """Optimizer state to load that does not fit this shard's parameters or optimizer."""
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """True if every element of ``t`` is finite: a cache-hot sum, the exact test only if the sum is not finite."""
+    return t.numel() == 0 or math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
+
+
+def _per_element(state: dict, numel: int) -> dict:
+    """The entries of one parameter's optimizer state that hold one value per element."""
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == numel and v.dim() == 1}
+
+
+def average_(grads: Sequence[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Average the workers' gradients in place into ``grads[0]``, summing in the order given.
+
+    Args:
+        grads: one ``{group: 1-D float32}`` per worker, in worker-id order; a
+            key a worker had no gradient for holds zeros (DDP averages the same way).
+
+    Returns:
+        ``grads[0]``, now holding the average (it may be non-finite if the sum overflows).
+    """
+    out = grads[0]
+    if len(grads) > 1:
+        for g, grad in out.items():
+            for other in grads[1:]:
+                grad.add_(other[g])
+            grad.mul_(1.0 / len(grads))
+    return out
+
+
+class ShardOptimizer:
+    """Runs the workers' optimizer class over a shard's parameters, one tensor per key.
+
+    Args:
+        spec: class and per-group hyperparameters from the first worker's Join.
+        params: ``{group index: 1-D float32 tensor}``, the shard's master weights
+            (updated in place).
+        slices: ``{key index: (group, start, end)}``, each key's slice of its group's buffer.
+
+    Raises:
+        shardps.common.optim.OptimizerSpecError: from :func:`build_optimizer`.
+    """
+
+    def __init__(self, spec: pb.OptimizerSpec, params: dict[int, torch.Tensor],
+                 slices: dict[int, tuple[int, int, int]]) -> None:
+        self.spec, self.params, self.slices = spec, params, slices
+        self.groups = sorted(params)
+        self.keys_of = {g: sorted(k for k, (kg, _, _) in slices.items() if kg == g) for g in self.groups}
+        self.views = {k: params[g][start:end] for k, (g, start, end) in slices.items()}
+        self.optimizer = build_optimizer(spec, [(g, [self.views[k] for k in self.keys_of[g]]) for g in self.groups])
+        self._trials: dict[int, torch.optim.Optimizer] = {}
+        # scratch shared by every group's dry run: (1 + state buffers) x SEGMENT x 4 bytes
+        self._scratch = torch.empty(SEGMENT)
+        self._state_scratch: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def trial(spec: pb.OptimizerSpec) -> int:
+        """Build ``spec``'s optimizer over small scratch tensors and run one step.
+
+        Catches settings torch accepts at construction but refuses at
+        ``step()`` (Adam ``betas=(0.9,)``, a string ``eps``) or that give
+        non-finite values, before any state exists.
+
+        Returns:
+            How many optimizer-state buffers the class keeps per element (for
+            the shard's memory bound).
+
+        Raises:
+            OptimizerSpecError: what torch said, or that the trial was not finite.
+        """
+        params = [torch.zeros(TRIAL_ELEMENTS) for _ in spec.group_hyperparams_json]
+        optimizer = build_optimizer(spec, [(g, [p]) for g, p in enumerate(params)])
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        try:
+            optimizer.step()
+        except Exception as exc:  # torch raises TypeError, ValueError, ... for settings it accepted earlier
+            raise OptimizerSpecError(f"a trial step of torch.optim.{spec.class_name} failed: {exc}") from None
+        buffers = 0
+        for p in params:
+            state = _per_element(optimizer.state.get(p, {}), TRIAL_ELEMENTS)
+            if not _finite(p) or not all(_finite(v) for v in state.values()):
+                raise OptimizerSpecError(
+                    f"a trial step of torch.optim.{spec.class_name} with these hyperparameters gives NaN or Inf"
+                )
+            buffers = max(buffers, len(state))
+        return buffers
+
+    # ------------------------------------------------------------------ a round
+    def set_hyperparams(self, groups: Sequence[dict]) -> None:
+        """Every group's hyperparameters from now on (``lr`` too; it is set again each round)."""
+        if self.optimizer is None:
+            return
+        for local, g in enumerate(self.groups):
+            self.optimizer.param_groups[local].update({k: v for k, v in groups[g].items() if k not in _IMPL_KEYS})
+
+    def hyperparams(self) -> dict[int, dict]:
+        """``{group: {name: value}}`` of the groups this shard steps, as the next round would use them (JSON-able)."""
+        if self.optimizer is None:
+            return {}
+        return {g: {k: list(v) if isinstance(v, tuple) else v for k, v in self.optimizer.param_groups[local].items()
+                    if k not in _IMPL_KEYS}
+                for local, g in enumerate(self.groups)}
+
+    def _present_grads(self, grads: dict[int, torch.Tensor], present: Collection[int]) -> list[torch.Tensor]:
+        return [grads[self.slices[k][0]][self.slices[k][1]:self.slices[k][2]] for k in sorted(present)
+                if k in self.slices]
+
+    def report(self, grads: dict[int, torch.Tensor], present: Collection[int], inv_scale: float,
+               norm_type: float) -> tuple[float, bool]:
+        """Unscale the averaged gradient in place and measure this shard's part of its norm.
+
+        Args:
+            grads: the average, ``{group: 1-D float32}``.
+            present: plan indices of the keys with a gradient this round.
+            inv_scale: GradScaler's ``1/scale``; 0 when the gradients are not scaled.
+            norm_type: the norm's order ``p`` (2 for clip_grad_norm_'s default, inf allowed).
+
+        Returns:
+            ``(part, found_inf)``: ``sum |g|^p`` over the present elements (their
+            max ``|g|`` when ``p`` is inf), and whether the (unscaled) average
+            holds Inf or NaN (then ``part`` is meaningless).
+        """
+        present_grads = self._present_grads(grads, present)
+        if not present_grads:
+            return 0.0, False
+        if inv_scale:
+            found = torch.zeros(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(present_grads, found, torch.tensor(inv_scale))
+            if found.item():
+                return math.nan, True
+        elif not all(_finite(g) for g in present_grads):
+            return math.nan, True
+        norms = torch.stack(torch._foreach_norm(present_grads, norm_type)).double()
+        if math.isinf(norm_type):
+            return norms.max().item(), False
+        return norms.pow(norm_type).sum().item(), False
+
+    def apply(self, grads: dict[int, torch.Tensor], present: Collection[int], lrs: Sequence[float],
+              clip_coef: float = 1.0, check: bool = True) -> None:
+        """Step the keys in ``present`` with the averaged ``grads`` (times ``clip_coef``), or refuse.
+
+        Args:
+            grads: the average, ``{group: 1-D float32}`` shaped like ``params``.
+            present: plan indices of the keys with a gradient this round; the others
+                get ``grad = None`` and torch leaves them and their state alone.
+            lrs: learning rate of every param group of the model (indexed by group).
+            clip_coef: clip_grad_norm_'s clamped coefficient (1 when not clipping).
+            check: run the dry run first (off only with ``--allow-nonfinite``).
+
+        Raises:
+            RoundRefused: the new parameters or optimizer state would not be
+                finite, or torch raised in the dry run; nothing changed.
+        """
+        if self.optimizer is None:  # this shard holds no parameter elements
+            return
+        if clip_coef != 1.0:
+            torch._foreach_mul_(self._present_grads(grads, present), clip_coef)
+        for local, g in enumerate(self.groups):
+            self.optimizer.param_groups[local]["lr"] = lrs[g]
+        for k, view in self.views.items():
+            group, start, end = self.slices[k]
+            view.grad = grads[group][start:end] if k in present else None
+        try:
+            if check:
+                self._dry_run()
+            self.optimizer.step()
+        finally:
+            for view in self.views.values():
+                view.grad = None
+
+    def _trial_optimizer(self, local: int) -> torch.optim.Optimizer:
+        """The scratch optimizer the dry run steps for group ``local``, hyperparameters as the live group's."""
+        trial = self._trials.get(local)
+        if trial is None:
+            impl = {"fused": True} if self.optimizer.defaults.get("fused") else {"foreach": True}
+            trial = self._trials[local] = type(self.optimizer)([{"params": [self._scratch]}], **impl)
+        live = self.optimizer.param_groups[local]
+        trial.param_groups[0].update({k: v for k, v in live.items() if k not in _IMPL_KEYS})
+        return trial
+
+    def _dry_run(self) -> None:
+        """Step copies of every view that has a gradient, a batch of up to SEGMENT elements at a time."""
+        for local, g in enumerate(self.groups):
+            items = []  # (key, view slice, gradient slice, state)
+            for k in self.keys_of[g]:
+                view = self.views[k]
+                if view.grad is None:
+                    continue
+                state = self.optimizer.state.get(view, {})
+                for start in range(0, view.numel(), SEGMENT):
+                    end = min(view.numel(), start + SEGMENT)
+                    items.append((k, start, end, view, state))
+            batch, size = [], 0
+            for item in items:
+                if size + item[2] - item[1] > SEGMENT and batch:
+                    self._dry_batch(local, batch)
+                    batch, size = [], 0
+                batch.append(item)
+                size += item[2] - item[1]
+            if batch:
+                self._dry_batch(local, batch)
+
+    def _dry_batch(self, local: int, batch: list) -> None:
+        trial = self._trial_optimizer(local)
+        params, states, at = [], {}, 0
+        for k, start, end, view, state in batch:
+            n = end - start
+            p = self._scratch[at : at + n]
+            p.copy_(view[start:end])
+            p.grad = view.grad[start:end]
+            per_element = _per_element(state, view.numel())
+            st = {}
+            for name, value in state.items():
+                if name in per_element:
+                    buf = self._state_scratch.setdefault(name, torch.empty(SEGMENT))[at : at + n]
+                    st[name] = buf.copy_(value[start:end])
+                else:
+                    st[name] = value.clone() if isinstance(value, torch.Tensor) else value
+            params.append(p)
+            states[p] = st
+            at += n
+        trial.param_groups[0]["params"] = params
+        trial.state.clear()
+        trial.state.update(states)
+        try:
+            trial.step()
+        except Exception as exc:
+            raise RoundRefused(f"torch.optim.{type(trial).__name__}.step() raised: {exc}") from None
+        finally:
+            for p in params:
+                p.grad = None
+        for (k, start, end, view, _), p in zip(batch, params):
+            state_finite = all(_finite(v) for v in _per_element(trial.state[p], end - start).values())
+            if _finite(p) and state_finite:
+                continue
+            # why (only on this failure path: a finite round pays for no extra pass over the gradient)
+            if not _finite(view.grad[start:end]):
+                raise RoundRefused("the averaged gradient is not finite (the workers' sum overflows float32)", k)
+            what = "optimizer state" if _finite(p) else "parameters"
+            raise RoundRefused(f"the update would make the {what} non-finite", k)
+        trial.state.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (moments, momentum buffers, step counters)."""
+        if self.optimizer is None:
+            return 0
+        return sum(
+            v.numel() * v.element_size()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    def get_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """``{key index: {name: tensor}}`` of every key that has optimizer state (copies)."""
+        if self.optimizer is None:
+            return {}
+        return {k: {name: v.detach().clone() for name, v in self.optimizer.state[view].items()
+                    if isinstance(v, torch.Tensor)}
+                for k, view in self.views.items() if self.optimizer.state.get(view)}
+
+    def expected_state(self, group: int) -> tuple[set[str], set[str]]:
+        """``(per-element names, scalar names)`` this optimizer keeps for a parameter of ``group``."""
+        local = self.groups.index(group)
+        p = torch.zeros(TRIAL_ELEMENTS)
+        hyper = {k: v for k, v in self.optimizer.param_groups[local].items() if k not in _IMPL_KEYS}
+        impl = {"fused": True} if self.optimizer.defaults.get("fused") else {"foreach": True}
+        opt = type(self.optimizer)([{"params": [p], **hyper}], **impl)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        state = opt.state[p]
+        per_element = set(_per_element(state, TRIAL_ELEMENTS))
+        return per_element, {k for k, v in state.items() if isinstance(v, torch.Tensor)} - per_element
+
+    def load_state(self, states: dict[int, dict[str, torch.Tensor]], compare_only: bool = False) -> bool:
+        """Replace the optimizer state of every key, all or nothing.
+
+        Args:
+            states: ``{key index: {name: tensor}}``; a key left out has no state
+                (it was never stepped). Per-element entries are 1-D with the
+                key's slice length, scalar entries hold one element.
+            compare_only: check and compare, change nothing.
+
+        Returns:
+            True if the new state differs from the current one.
+
+        Raises:
+            StateError: an unknown key or entry name, a wrong size, a missing
+                entry, or a non-finite value.
+        """
+        if self.optimizer is None:
+            if states:
+                raise StateError("state for keys this shard does not hold (it holds no parameter elements)")
+            return False
+        expected = {g: self.expected_state(g) for g in self.groups}
+        new = {}
+        for k, st in states.items():
+            if k not in self.views:
+                raise StateError(f"state for key index {k}, which this shard does not hold")
+            view = self.views[k]
+            per_element, scalars = expected[self.slices[k][0]]
+            if set(st) != per_element | scalars:
+                raise StateError(f"state of key index {k} has entries {sorted(st)}; this optimizer keeps "
+                                 f"{sorted(per_element | scalars)}")
+            for name, value in st.items():
+                want = view.numel() if name in per_element else 1
+                if value.numel() != want:
+                    raise StateError(f"state {name!r} of key index {k} has {value.numel()} values, not {want}")
+                if value.is_floating_point() and not _finite(value.reshape(-1)):
+                    raise StateError(f"state {name!r} of key index {k} holds NaN or Inf")
+            new[view] = {name: v.reshape(-1).clone() if name in per_element else v.reshape(()).clone()
+                         for name, v in st.items()}
+        current = self.optimizer.state
+        changed = set(new) != {v for v, st in current.items() if st} or any(
+            set(st) != set(current[v]) or any(not torch.equal(st[n], current[v][n]) for n in st)
+            for v, st in new.items()
+        )
+        if changed and not compare_only:
+            current.clear()
+            current.update(new)
+        return changed
+
+    def digest(self, version: int) -> str:
+        """SHA-256 (hex) of ``version``, every parameter byte and every optimizer-state value, in key order."""
+        h = hashlib.sha256(version.to_bytes(8, "little"))
+        for k in sorted(self.views):
+            view = self.views[k]
+            h.update(view.numpy().tobytes())
+            state = self.optimizer.state.get(view, {}) if self.optimizer is not None else {}
+            for name in sorted(state):
+                v = state[name]
+                h.update(name.encode())
+                h.update(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if isinstance(v, torch.Tensor)
+                         else repr(v).encode())
+        return h.hexdigest()

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: forked shard clusters, worker processes, raw gRPC clients, certificates."""

@@ -1,0 +1,1 @@
+"""The round pipeline of one step: gradient frames pushed, the round's decision, parameter frames pulled back."""

@@ -1,0 +1,232 @@
+"""The push and pull streams of one step: request frames out, parameter frames back into the model.
+
+Threads: gRPC's request-consumer thread runs :func:`push_requests` for each
+shard, encoding chunks from a queue the gradient hooks and ``step()`` fill;
+a small thread pool runs :meth:`ParameterSink.receive` on the frames coming
+back. Hooks only slice tensors and enqueue them: no host sync, no I/O.
+
+A push stream is the round header, gradient chunks, buffer chunks and a
+trailer. In a round that clips or scales, each shard first answers with a
+report; once every shard's report is in, the worker decides (``commit.py``)
+and each push stream sends the commit before the parameters come back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import wait
+
+import grpc
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_control, encode_round
+from shardps.common.plan import Chunk, PartitionPlan
+from shardps.worker.session.client import ShardClient
+
+
+class GradientEditedError(RuntimeError):
+    """A gradient changed after its push to the shards started (the shards would get a mix of both)."""
+
+
+class Round:
+    """State of one push/pull round trip across all shards.
+
+    ``ready[key]`` is set once every chunk of ``key`` (a parameter or a
+    buffer) has been pulled; ``sent[shard]`` once the push stream to
+    ``shard`` has encoded its last chunk; ``decided`` once every shard's
+    report is in and ``commit`` holds the decision (rounds that clip or scale).
+    ``sources[key]`` is the gradient tensor pushed for ``key`` and its
+    ``_version`` then, to detect edits made after the push started.
+    """
+
+    def __init__(self, num_shards: int, chunks_per_key: dict[str, int],
+                 decide: Callable[[list[pb.RoundReport]], pb.RoundCommit] | None = None) -> None:
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_shards)]
+        self.calls: list = []
+        self.pushed: set[str] = set()
+        self.sources: dict[str, tuple[torch.Tensor, int]] = {}
+        self.sent = [threading.Event() for _ in range(num_shards)]
+        self.remaining = dict(chunks_per_key)
+        self.ready = {key: threading.Event() for key in chunks_per_key}
+        self.lock = threading.Lock()
+        self.futures: list = []
+        self.decide = decide
+        self.reports: dict[int, pb.RoundReport] = {}
+        self.commit: pb.RoundCommit | None = None
+        self.decided = threading.Event()
+        # for the worker's metrics: when step() closed the pushes, when each shard's push ended, bytes each way
+        self.closed_at = 0.0
+        self.sent_at = [0.0] * num_shards
+        self.pushed_bytes = [0] * num_shards
+        self.pulled_bytes = [0] * num_shards
+
+    def chunk_arrived(self, key: str) -> None:
+        with self.lock:
+            self.remaining[key] -= 1
+            done = self.remaining[key] == 0
+        if done:
+            self.ready[key].set()
+
+    def report_arrived(self, shard: int, report: pb.RoundReport) -> None:
+        """Record a shard's report; the last one makes the decision every push stream then commits."""
+        with self.lock:
+            self.reports[shard] = report
+            complete = len(self.reports) == len(self.queues)
+        if complete:
+            self.commit = self.decide([self.reports[s] for s in sorted(self.reports)])
+            self.decided.set()
+
+    def failed(self) -> BaseException | None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                return f.exception()
+        return None
+
+    def check_edits(self, params: dict[str, torch.Tensor]) -> None:
+        """Cancel the round and raise if a ``.grad`` was replaced or changed in place after its push started.
+
+        Raises:
+            GradientEditedError: naming the key and the supported ways to change gradients.
+        """
+        for key, (grad, version) in self.sources.items():
+            if params[key].grad is not grad or grad._version != version:
+                for call in self.calls:
+                    call.cancel()
+                raise GradientEditedError(
+                    f"the gradient of {key!r} changed after its push to the shards started: for clipping pass "
+                    "max_grad_norm=... to DistributedOptimizer instead of calling clip_grad_norm_; with a "
+                    "GradScaler pass grad_scaler=scaler and call dist.step() (not scaler.unscale_ or "
+                    "scaler.step); for other edits between backward() and step(), pass push_during_backward=False"
+                )
+        self.sources.clear()  # the queues hold what is still to be sent; old gradients may be freed
+
+    def outcome(self) -> tuple[dict[int, int], list[tuple[int, BaseException]]]:
+        """Wait for every shard's pull of this round (each bounded by its call's deadline).
+
+        Returns:
+            ``({shard: version received}, [(shard, error), ...])``.
+        """
+        wait(self.futures)  # blocking wait for every shard
+        applied = {s: f.result() for s, f in enumerate(self.futures) if f.exception() is None}
+        failed = [(s, f.exception()) for s, f in enumerate(self.futures) if f.exception() is not None]
+        return applied, failed
+
+    def wait_decided(self) -> bool:
+        """Wait until every shard reported and ``commit`` is decided; False if the round failed first."""
+        while not self.decided.wait(0.05):  # blocking wait for every shard's report
+            if self.failed() is not None or all(f.done() for f in self.futures):
+                return False
+        return True
+
+
+def push_requests(
+    header: pb.RoundHeader, shard: int, push_dtype: torch.dtype, checksum: bool, rnd: Round, commit_timeout: float,
+) -> Iterator[bytes]:
+    """Request stream of one shard's push; runs on gRPC's request-consumer thread.
+
+    Yields the round header, then what ``step()`` and the hooks put on ``q``:
+    ``("grad", chunk, values)`` (sent in ``push_dtype``), ``("buffer", chunk,
+    values)`` (sent in their own dtype) and ``("trailer", RoundTrailer)``,
+    until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``.
+    """
+    q, size = rnd.queues[shard], 0
+    frame = encode_round(header)
+    yield frame
+    while (item := q.get()) is not None:  # blocking wait for the hooks and step()
+        size += len(frame)
+        kind = item[0]
+        if kind == "trailer":
+            frame = encode_control(trailer=item[1])
+            yield frame
+            continue
+        chunk, values = item[1], item[2]
+        if kind == "grad":
+            values = values.to("cpu", push_dtype)  # host sync for CUDA gradients, off the hook
+        frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
+        yield frame
+    rnd.pushed_bytes[shard], rnd.sent_at[shard] = size + len(frame), time.perf_counter()
+    rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
+    if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report
+        yield encode_control(commit=rnd.commit)
+
+
+def init_requests(
+    header: pb.RoundHeader, plan: PartitionPlan, shard: int, params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+) -> Iterator[bytes]:
+    """Request stream of one shard's Init: the round header, this shard's chunks of ``params`` in fp32, its buffers."""
+    yield encode_round(header)
+    for c in plan.shard_chunks(shard):
+        flat = params[c.key].detach().reshape(-1)
+        yield encode_chunk(c.key, c.offset, flat[c.offset : c.offset + c.numel].to("cpu", torch.float32), 0)
+    for c in plan.shard_buffer_chunks(shard):
+        flat = buffers[c.key].detach().reshape(-1)
+        yield encode_chunk(c.key, c.offset, flat[c.offset : c.offset + c.numel].to("cpu"), 0)
+
+
+class ParameterSink:
+    """Where pulled chunks go: the model's parameters and buffers, per the partition plan.
+
+    Args:
+        plan: the job's partition plan.
+        params: ``{key: parameter tensor}`` (CPU or CUDA, any floating dtype).
+        buffers: ``{key: buffer tensor}`` of the buffers in the plan.
+    """
+
+    def __init__(self, plan: PartitionPlan, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        self.params, self.buffers = params, buffers
+        self.chunk_at: dict[tuple[str, int], Chunk] = {(c.key, c.offset): c for c in (*plan.chunks,
+                                                                                         *plan.buffer_chunks)}
+        self.shard_sizes = [0] * plan.num_shards
+        for c in (*plan.chunks, *plan.buffer_chunks):
+            self.shard_sizes[c.shard] += 1
+
+    def receive(
+        self, client: ShardClient, call: Iterable[bytes], min_version: int, what: str, rnd: Round | None = None
+    ) -> int:
+        """Copy every frame of ``call`` from shard ``client.index`` into the model (a report goes to ``rnd``).
+
+        Returns:
+            The version received (``min_version`` if the shard holds no chunks).
+
+        Raises:
+            ShardRpcError: the call failed (the shard's status and message).
+            RuntimeError: the shard answered outside the protocol.
+        """
+        shard = client.index
+        version, count, size = None, 0, 0
+        try:
+            with torch.no_grad():
+                for raw in call:  # blocking reads from the network
+                    size += len(raw)
+                    frame = decode_frame(raw)
+                    if frame.report is not None and rnd is not None and rnd.decide is not None and count == 0:
+                        rnd.report_arrived(shard, frame.report)
+                        continue
+                    h = frame.header
+                    c = self.chunk_at.get((h.key, h.offset)) if h is not None else None
+                    if c is None or c.shard != shard or c.numel != h.numel:
+                        raise RuntimeError(f"shard {shard} sent a frame that is not in the partition plan: {frame}")
+                    if version is None:
+                        version = h.version
+                    if h.version != version or version < min_version:
+                        raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
+                    target = self.buffers[c.key] if c.buffer else self.params[c.key].data
+                    copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
+                    count += 1
+                    if rnd is not None:
+                        rnd.chunk_arrived(c.key)
+        except grpc.RpcError as exc:
+            raise client.error(what, exc) from None
+        except FrameError as exc:
+            raise RuntimeError(f"shard {shard} sent a malformed frame in its {what}: {exc}") from None
+        finally:
+            if rnd is not None:
+                rnd.pulled_bytes[shard] = size
+        if count != self.shard_sizes[shard]:
+            raise RuntimeError(f"shard {shard} sent {count} of {self.shard_sizes[shard]} chunks in its {what}")
+        return min_version if version is None else version

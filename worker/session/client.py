@@ -1,0 +1,159 @@
+"""A connection to one shard: control calls through the generated stub, Frame streams as raw bytes."""
+
+from __future__ import annotations
+
+import grpc
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto import shardps_pb2_grpc as pb_grpc
+from shardps.common.security import ChannelSecurity
+from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shardps.worker.session.retry import RetryPolicy, retry
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+
+
+class ShardRpcError(RuntimeError):
+    """A call to a shard failed; ``code`` is the ``grpc.StatusCode`` and ``details`` the shard's message."""
+
+    def __init__(self, shard: int, address: str, what: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shard {shard} ({address}): {what} failed: {code.name}: {details}")
+        self.shard, self.address, self.code, self.details = shard, address, code, details
+
+
+def _tls_hint(security: ChannelSecurity) -> str:
+    """What to check when a connection does not come up: a failed TLS handshake looks like a dead shard."""
+    if not security.tls:
+        return "If the shard serves TLS (--tls-cert), pass --tls-ca with the CA that signed its certificate."
+    client_cert = "the CA of the shard's --tls-ca must have signed the client certificate (--tls-cert)" \
+        if security.cert is not None else \
+        "a shard started with --tls-ca also needs a client certificate (--tls-cert/--tls-key here)"
+    return ("The TLS settings may be wrong: the shard must serve TLS (--tls-cert), --tls-ca here must hold the CA "
+            f"that signed the shard's certificate, that certificate must name this host, and {client_cert}.")
+
+
+class ShardClient:
+    """One gRPC channel to shard ``index`` at ``address`` (``host:port``).
+
+    Every call carries a deadline of ``rpc_timeout`` seconds. Calls that are
+    safe to repeat (Join, Leave, Reset, Stats, Checkpoint, Pull's start,
+    Export) are retried after UNAVAILABLE or DEADLINE_EXCEEDED per ``retry``
+    (``shardps.worker.session.retry``), then raise :class:`ShardRpcError`.
+
+    ``security`` (``shardps.common.security``) turns on TLS, mutual TLS and a
+    bearer token on the channel; None: plaintext, no token. A shard that
+    refuses the token answers every call with UNAUTHENTICATED (not retried).
+
+    Raises:
+        ConnectionError: the shard did not answer within ``connect_timeout`` seconds (a failed TLS
+            handshake looks the same: the message then points at the TLS settings).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        index: int,
+        rpc_timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retry: RetryPolicy = RetryPolicy(),
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        self.address, self.index, self.rpc_timeout, self.retry = address, index, rpc_timeout, retry
+        self.security = security or ChannelSecurity()
+        self.channel = self.security.channel(address, channel_options(max_message_bytes))
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise ConnectionError(
+                f"shard {index} at {address} did not answer within {connect_timeout:.0f}s; "
+                f"is shardps-server running there? {_tls_hint(self.security)}"
+            ) from None
+        self.stub = pb_grpc.ShardStub(self.channel)
+        path = f"/{_SERVICE}/"
+        self._init = self.channel.stream_unary(path + "Init", response_deserializer=pb.InitReply.FromString)
+        self._push = self.channel.stream_unary(path + "Push", response_deserializer=pb.PushReply.FromString)
+        self._pull = self.channel.unary_stream(path + "Pull", request_serializer=pb.PullRequest.SerializeToString)
+        self._push_pull = self.channel.stream_stream(path + "PushPull")
+        self._get_state = self.channel.unary_stream(path + "GetState", request_serializer=pb.StateRequest.SerializeToString)
+        self._set_state = self.channel.stream_unary(path + "SetState", response_deserializer=pb.SetStateReply.FromString)
+        self._export = self.channel.unary_stream(path + "Export", request_serializer=pb.ExportRequest.SerializeToString)
+
+    def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
+        """Wrap a gRPC error of call ``what`` with this shard's index and address."""
+        return ShardRpcError(self.index, self.address, what, exc.code(), exc.details())
+
+    def _unary(self, what: str, fn, request, timeout: float | None = None, repeatable: bool = False):
+        def attempt():
+            try:
+                return fn(request, timeout=self.rpc_timeout if timeout is None else timeout)
+            except grpc.RpcError as exc:
+                raise self.error(what, exc) from None
+
+        if not repeatable:
+            return attempt()
+        return retry(attempt, self.retry, f"{what} on shard {self.index} ({self.address})",
+                     lambda exc: getattr(exc, "code", None))
+
+    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+        """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch); retried."""
+        return self._unary("join", self.stub.Join, request, repeatable=True)
+
+    def leave(self, worker_id: str, session: str, timeout: float | None = None) -> pb.LeaveReply:
+        """Leave the shard as member ``worker_id`` of ``session`` (not retried: closing must not linger)."""
+        return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
+
+    def reset(self, job_id: str = "") -> pb.ResetReply:
+        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise); retried."""
+        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id), repeatable=True)
+
+    def checkpoint(self) -> pb.CheckpointReply:
+        """Make the shard write a checkpoint now; retried. FAILED_PRECONDITION without --checkpoint-dir."""
+        return self._unary("checkpoint", self.stub.Checkpoint, pb.CheckpointRequest(), repeatable=True)
+
+    def export(self, min_version: int = 0):
+        """Start reading the shard's fp32 parameters and buffers at its current version (refused below
+        ``min_version``); iterate the call for raw frames."""
+        return self._export(pb.ExportRequest(min_version=min_version), timeout=self.rpc_timeout)
+
+    def heartbeat(self, worker_id: str, session: str, timeout: float) -> pb.HeartbeatReply:
+        """Renew this worker's lease on the shard; the shard's membership."""
+        return self._unary("heartbeat", self.stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, session=session),
+                           timeout)
+
+    def stats(self, digest: bool = False, plan: bool = False, timeout: float | None = None,
+              retried: bool = True) -> pb.StatsReply:
+        """The shard's Stats (retried unless ``retried=False``); ``digest`` also hashes its parameters and
+        optimizer state (reads every byte); ``plan`` adds the job's partition plan."""
+        return self._unary("stats", self.stub.Stats, pb.StatsRequest(digest=digest, plan=plan), timeout,
+                           repeatable=retried)
+
+    def init(self, frames) -> pb.InitReply:
+        """Send the initial parameters (an iterator of encoded frames, round header first)."""
+        return self._unary("init", self._init, frames)
+
+    def push(self, frames) -> pb.PushReply:
+        """Push one round's gradients (encoded frames, round header first)."""
+        return self._unary("push", self._push, frames)
+
+    def pull(self, request: pb.PullRequest):
+        """Start a pull; iterate the returned call for raw frames (grpc.RpcError on failure)."""
+        return self._pull(request, timeout=self.rpc_timeout)
+
+    def push_pull(self, frames):
+        """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames."""
+        return self._push_pull(frames, timeout=self.rpc_timeout)
+
+    def get_state(self, request: pb.StateRequest):
+        """Start reading the shard's optimizer state; iterate the call for raw frames (grpc.RpcError on failure)."""
+        return self._get_state(request, timeout=self.rpc_timeout)
+
+    def set_state(self, frames) -> pb.SetStateReply:
+        """Replace the shard's optimizer state (encoded frames, round header first)."""
+        return self._unary("set_state", self._set_state, frames)
+
+    def close(self) -> None:
+        """Close the channel (calls still running on it fail with CANCELLED)."""
+        self.channel.close()
