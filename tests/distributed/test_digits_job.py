@@ -89,7 +89,7 @@ def test_recipes_example_runs_and_its_checkpoint_loads_into_plain_adamw(start_cl
     cluster = start_cluster(2, min_workers=2)
     ckpt = tmp_path / "checkpoint.pt"
     procs = [subprocess.Popen(
-        [sys.executable, str(REPO / "examples" / "recipes.py"), "--servers", cluster.servers, "--rank", str(r),
+        [sys.executable, str(REPO / "examples" / "everyday_recipes.py"), "--servers", cluster.servers, "--rank", str(r),
          "--world", "2", "--steps", "40", "--checkpoint", str(ckpt)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
