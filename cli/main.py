@@ -178,7 +178,22 @@ def _write_report(path: Path | None, report: dict) -> None:
         _say(f"report written to {path}")
 
 
+def _check_apps_extra() -> None:
+    """The main jobs need the ``apps`` extra (scikit-learn, tqdm); the library does not.
+
+    Raises:
+        SystemExit: with the install command, when a package of the extra is missing.
+    """
+    import importlib.util
+
+    missing = [m for m in ("sklearn", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"shardps train needs the apps extra ({', '.join(missing)} missing): "
+                         "pip install 'shardps[apps]' (from a clone: pip install -e \".[apps]\")")
+
+
 def _train_digits(args: argparse.Namespace) -> int:
+    _check_apps_extra()
     from shardps.apps.digits import DigitsConfig, run
 
     if args.worker_index is not None:
@@ -212,6 +227,7 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
     """
     from dataclasses import asdict
 
+    _check_apps_extra()
     from shardps.apps.digits import DigitsConfig, rank_worker_id, train_worker
 
     if not args.servers:

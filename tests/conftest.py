@@ -29,10 +29,24 @@ def start_cluster():
         cluster.stop()
 
 
+#: Test files that take minutes (real jobs, benchmarks, soak, fuzz): marked ``slow``.
+SLOW_FILES = ("tests/distributed/", "tests/integration/test_soak.py", "tests/integration/test_fuzz.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA; this machine has no GPU")
+    """Markers a user selects on purpose (``pytest -m "not slow"``; pyproject.toml lists them).
+
+    - ``slow``: every test in :data:`SLOW_FILES`;
+    - ``prometheus``: every test that needs Debian's ``prometheus`` package (fixture ``prometheus_package``);
+    - ``gpu``: marked in the test file; skipped here when CUDA is absent (the only skip besides namespaces).
+    """
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA; this machine has no GPU")
+    root = config.rootpath
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if where.startswith(SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
+        if "prometheus_package" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.prometheus)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
