@@ -1,12 +1,12 @@
-"""Calls that read or replace a shard's whole state between rounds: optimizer state, export, checkpoint.
+"""Calls served between rounds: a shard's optimizer state, its parameters (export), a checkpoint now.
 
 ``GetState``/``SetState`` carry the optimizer state of the shard's keys
-(``state.py`` encodes it; workers use them for ``state_dict()`` and
-``load_state_dict()``); ``Export`` streams the parameters to operators and
-``Checkpoint`` writes one now (``checkpointing.py``). Each waits for a round
-being applied to finish, never for rounds to come. They run on the shard's
-event loop like :class:`~shardps.server.store.ShardStore`, whose fields they
-read.
+(``dense/optimizer_state.py`` encodes it; workers use them for
+``state_dict()`` and ``load_state_dict()``); ``Export`` streams the
+parameters to operators and ``Checkpoint`` writes one now
+(``snapshots/checkpoints.py``). Each waits for a round being applied to
+finish, never for rounds to come. They run on the shard's event loop like
+:class:`~shardps.server.store.ShardStore`, and use only its public names.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from shardps.server.store import ShardStore
 
 
-class StateCalls:
-    """The whole-state calls of one shard's :class:`ShardStore` (``store.state_calls``)."""
+class BetweenRounds:
+    """GetState, SetState, Export and Checkpoint of one shard's :class:`ShardStore` (``store.between_rounds``)."""
 
     def __init__(self, store: "ShardStore") -> None:
         self._store = store
@@ -37,8 +37,8 @@ class StateCalls:
             InvalidArgument, FailedPrecondition: not a member of this session, plan mismatch, not initialised.
         """
         self._check_member_call(request.worker_id, request.session, request.plan_fingerprint)
-        await self._store._notifier.wait_for(lambda: not self._store.rounds.applying, self._store.config.max_wait_seconds)
-        return await self._store._run(encode_state, self._store._job.table, self._store.rounds.optimizer, self._store.version)
+        await self._store.notifier.wait_for(lambda: not self._store.rounds.applying, self._store.config.max_wait_seconds)
+        return await self._store.run(encode_state, self._store.job.table, self._store.rounds.optimizer, self._store.version)
 
     async def set_state(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
         """Replace the optimizer state of this shard's keys, all or nothing; returns the version.
@@ -62,15 +62,15 @@ class StateCalls:
             if frame.header is None:
                 raise InvalidArgument("set_state: only state chunks may follow the round header")
             decoded.append(frame)
-        table, optimizer = self._store._job.table, self._store.rounds.optimizer
+        table, optimizer = self._store.job.table, self._store.rounds.optimizer
         try:
-            states = await self._store._run(decode_state, table, optimizer, decoded)
+            states = await self._store.run(decode_state, table, optimizer, decoded)
             if self._store.rounds.applying or self._store.rounds.pushed or header.check_only:
-                changed = await self._store._run(optimizer.load_state, states, True)  # checks and compares only
+                changed = await self._store.run(optimizer.load_state, states, True)  # checks and compares only
                 if changed and (self._store.rounds.applying or self._store.rounds.pushed):
                     raise Aborted("a round is in progress: load optimizer state between rounds (before pushing)")
                 return self._store.version
-            await self._store._run(optimizer.load_state, states)
+            await self._store.run(optimizer.load_state, states)
         except StateError as exc:
             raise InvalidArgument(str(exc)) from None
         self._store.rounds.state_bytes = optimizer.state_bytes()
@@ -79,9 +79,9 @@ class StateCalls:
     def _check_member_call(self, worker_id: str, session: str, fingerprint: str) -> None:
         checks.check_worker_id(worker_id, self._store.config)
         checks.check_session(session)
-        self._store._check_open()
-        job = self._store._require_job(fingerprint)
-        self._store._members.get(worker_id, session)
+        self._store.check_open()
+        job = self._store.require_job(fingerprint)
+        self._store.members.get(worker_id, session)
         if not job.initialised:
             raise FailedPrecondition("this shard has not been initialised yet")
 
@@ -95,15 +95,15 @@ class StateCalls:
             FailedPrecondition: the shard holds no initialised job, or is below ``min_version``.
             DeadlineExceeded: a round was still being applied after ``timeout`` seconds.
         """
-        self._store._check_open()
-        job = self._store._job
+        self._store.check_open()
+        job = self._store.job
         if job is None or not job.initialised:
             raise FailedPrecondition(f"shard {self._store.config.shard_index} holds no initialised job to export")
         limit = self._store.config.max_wait_seconds if timeout is None else min(timeout, self._store.config.max_wait_seconds)
-        if not await self._store._notifier.wait_for(lambda: self._store._closing or not self._store.rounds.applying, limit):
+        if not await self._store.notifier.wait_for(lambda: self._store.closing or not self._store.rounds.applying, limit):
             raise DeadlineExceeded(f"shard {self._store.config.shard_index} was still applying a round after {limit:.1f}s")
-        self._store._check_open()
-        if self._store._job is not job:
+        self._store.check_open()
+        if self._store.job is not job:
             raise Aborted(f"shard {self._store.config.shard_index}'s job was reset during the export")
         if self._store.version < request.min_version:
             raise FailedPrecondition(f"shard {self._store.config.shard_index} is at version {self._store.version}, below "
@@ -117,7 +117,7 @@ class StateCalls:
             FailedPrecondition: no ``--checkpoint-dir``, or no initialised job.
             Unavailable: the disk refused (the message says why; older checkpoints are kept).
         """
-        self._store._check_open()
+        self._store.check_open()
         directory = self._store.checkpoints.directory
         if directory is None:
             raise FailedPrecondition(f"shard {self._store.config.shard_index} was started without --checkpoint-dir")

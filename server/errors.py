@@ -19,7 +19,7 @@ class InvalidArgument(ShardError):
 
 
 class FailedPrecondition(ShardError):
-    """The request is well-formed but does not fit the shard's state (plan mismatch, not joined)."""
+    """The request is well-formed but does not fit the shard's job or membership now (plan mismatch, not joined)."""
 
     code = "FAILED_PRECONDITION"
 

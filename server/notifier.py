@@ -1,4 +1,4 @@
-"""Waking the coroutines that wait for a shard's state to change."""
+"""Waking the coroutines that wait for something on a shard to change (a version, a member, a round)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 
 class Notifier:
-    """Wake every coroutine waiting for the shard's state to change (no thread is held while waiting)."""
+    """Wake every coroutine waiting for a change on the shard (no thread is held while waiting)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()

@@ -180,13 +180,13 @@ class ShardServicer:
 
     @_streaming
     async def GetState(self, request: bytes, context) -> AsyncIterator[bytes]:
-        for frame in await self.store.state_calls.get_state(_parse(pb.StateRequest, request, "get_state")):
+        for frame in await self.store.between_rounds.get_state(_parse(pb.StateRequest, request, "get_state")):
             yield frame
 
     @_unary
     async def SetState(self, request_iterator, context) -> pb.SetStateReply:
         header = await _round_header(request_iterator, "set_state")
-        return pb.SetStateReply(version=await self.store.state_calls.set_state(header, request_iterator))
+        return pb.SetStateReply(version=await self.store.between_rounds.set_state(header, request_iterator))
 
     @_unary
     async def Leave(self, request: bytes, context) -> pb.LeaveReply:
@@ -207,13 +207,13 @@ class ShardServicer:
     @_streaming
     async def Export(self, request: bytes, context) -> AsyncIterator[bytes]:
         req = _parse(pb.ExportRequest, request, "export")
-        async for frame in await self.store.state_calls.export(req, context.time_remaining()):
+        async for frame in await self.store.between_rounds.export(req, context.time_remaining()):
             yield frame
 
     @_unary
     async def Checkpoint(self, request: bytes, context) -> pb.CheckpointReply:
         _parse(pb.CheckpointRequest, request, "checkpoint")
-        return await self.store.state_calls.checkpoint()
+        return await self.store.between_rounds.checkpoint()
 
 
 def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:

@@ -1,4 +1,4 @@
-"""The shard's state: the job, its parameters, membership, and the calls that wait for versions.
+"""One shard: its job, parameters, membership, and the calls that wait for versions.
 
 A thin gRPC servicer (``service.py``) adapts this class; it knows nothing of
 gRPC. Every method runs on the server's one asyncio event loop, so the
@@ -10,8 +10,11 @@ length (building a plan, the trial step, applying a round, the Stats
 digest) runs on one compute thread (``self._compute``), one piece at a
 time, while the loop keeps answering; while a round is applied
 (``rounds.applying``) pulls do not read the buffers. The rounds themselves
-are ``rounds.py``; the calls on the whole state (optimizer state, export,
-checkpoint) are ``state_calls.py``.
+are ``consistency/rounds.py`` (ssp's rule: ``consistency/ssp.py``); the
+calls made between rounds (optimizer state, export, checkpoint) are
+``between_rounds.py``, the checkpoints ``snapshots/checkpoints.py``.
+They and ``stats.py`` use only the store's public names (its section "for
+collaborators").
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from shardps.server.membership.job import Job
 from shardps.server.membership.members import Member, Membership
 from shardps.server.metrics import ShardMetrics
 from shardps.server.dense.optimizer import ShardOptimizer
+from shardps.server.consistency import ssp
 from shardps.server.consistency.rounds import Rounds
-from shardps.server.between_rounds import StateCalls
-from shardps.server.stats import stats_reply
+from shardps.server.between_rounds import BetweenRounds
+from shardps.server.stats import Stats, metric_values
 from shardps.server.notifier import Notifier
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,12 @@ class ShardStore:
     bytes plus the dry run's fixed scratch, which Join checks against
     ``config.memory_budget_bytes``.
 
+    Attributes:
+        members: the shard's members (others read it: who, their clocks, the epoch).
+        notifier: wakes the calls waiting for a change (a version, a member, a round).
+        rounds, checkpoints, between_rounds: the rounds (``consistency/``), checkpoints
+            (``snapshots/``), and GetState, SetState, Export and Checkpoint (``between_rounds.py``).
+
     Args:
         config: the shard's settings and limits.
         compute: where slow work runs (default: one thread of its own).
@@ -66,30 +76,22 @@ class ShardStore:
         self.config = config
         self.metrics = metrics if metrics is not None else ShardMetrics(config.shard_index)
         self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
-        self._notifier = Notifier()
+        self.notifier = Notifier()
         self._closing = False
-        self._members = Membership(config.max_workers, config.lease_seconds)
-        self.rounds = Rounds(config, self._members, self._notifier.notify_all, self._run, self.metrics)
-        self._admission = Admission(config, self._members, self.rounds, self._notifier.notify_all, self._run,
-                                    self._check_open)
+        self.members = Membership(config.max_workers, config.lease_seconds)
+        self.rounds = Rounds(config, self.members, self.notifier.notify_all, self.run, self.metrics)
+        self._admission = Admission(config, self.members, self.rounds, self.notifier.notify_all, self.run,
+                                    self.check_open)
         self._waiting = 0
-        self._digest: asyncio.Future | None = None  # the Stats digest being computed, shared by callers
         self._push_bytes = 0
         self._pull_bytes = 0
         self._lease_watch: asyncio.Task | None = None
         self.checkpoints = Checkpoints(self)
-        self.state_calls = StateCalls(self)  # GetState, SetState, Export, Checkpoint
+        self.between_rounds = BetweenRounds(self)
+        self._stats = Stats(self)
         self._last_wait_log = 0.0
         self.incarnation = uuid.uuid4().hex  # tells workers this process apart from the one before a restart
-        self.metrics.watch(self._metric_values)
-
-    def _metric_values(self) -> dict[str, float]:
-        """The numbers :class:`ShardMetrics` reads when scraped (from the metrics thread: plain reads only)."""
-        members = self._members
-        return {"received_bytes": self._push_bytes, "sent_bytes": self._pull_bytes, "joins": members.joins,
-                "leaves": members.leaves, "lease_expiries": members.expiries, "version": self.rounds.version,
-                "live_workers": len(members), "min_workers": self.config.min_workers,
-                "last_checkpoint_timestamp_seconds": self.checkpoints.latest[1]}
+        self.metrics.watch(lambda: metric_values(self))  # read when scraped, from the metrics thread
 
     @property
     def version(self) -> int:
@@ -105,20 +107,63 @@ class ShardStore:
         spec = pb.OptimizerSpec(class_name="SGD", group_hyperparams_json=['{"lr": 0.1, "momentum": 0.9}'])
         self._compute.submit(ShardOptimizer.trial, spec)
 
-    async def _run(self, fn, *args):
-        """Run ``fn(*args)`` on the compute thread; the loop keeps serving meanwhile."""
+    # ----------------------------------------------------------------- for collaborators
+    # Offered on purpose to checkpoints, the between-rounds calls and stats.py; the properties are
+    # for reading (only the store's own methods change those fields, on the event loop).
+
+    @property
+    def job(self) -> Job | None:
+        """The job the shard serves (None before the first Join, and after a reset or a forgotten job)."""
+        return self._admission.job
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`close` was called: the shard refuses new work."""
+        return self._closing
+
+    @property
+    def push_bytes(self) -> int:
+        """Payload bytes received so far (pushes and Init)."""
+        return self._push_bytes
+
+    @property
+    def pull_bytes(self) -> int:
+        """Payload bytes sent so far (pulls and exports)."""
+        return self._pull_bytes
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting now for a version (at most ``config.max_waiting``)."""
+        return self._waiting
+
+    async def run(self, fn, *args):
+        """Run ``fn(*args)`` on the compute thread, one piece of work at a time; the loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Refuse a call once the shard is shutting down.
+
+        Raises:
+            Unavailable: :meth:`close` was called.
+        """
         if self._closing:
             raise Unavailable(f"shard {self.config.shard_index} is shutting down")
 
-    @property
-    def _job(self) -> Job | None:
-        return self._admission.job
+    def require_job(self, fingerprint: str) -> Job:
+        """The job, if ``fingerprint`` is its plan's (see ``Admission.require_job``).
 
-    def _require_job(self, fingerprint: str) -> Job:
+        Raises:
+            FailedPrecondition: no job, or a job of another plan.
+        """
         return self._admission.require_job(fingerprint)
+
+    async def restore_job(self, snap) -> None:
+        """Before serving: take the job of a checkpoint (``shardps.common.checkpoint.Snapshot``).
+
+        Raises:
+            ValueError: the checkpoint does not fit this shard (see ``Admission.restore``).
+        """
+        await self._admission.restore(snap)
 
     async def join(self, request: pb.JoinRequest) -> pb.JoinReply:
         """Admit a worker (see ``Admission.join``); from the first Join on, expired leases are dropped."""
@@ -140,23 +185,23 @@ class ShardStore:
 
     def _expire_leases(self) -> None:
         """Drop every member whose lease ran out: all of them out of the round before it may close."""
-        expired = self._members.expire()
+        expired = self.members.expire()
         for member in expired:
             log.warning("shard %d: worker %s dropped: no call for %.1fs (its lease expired); %d members left",
                         self.config.shard_index, shown(member.worker_id), self.config.lease_seconds,
-                        len(self._members))
+                        len(self.members))
             self._drop(member, apply=False)
         if expired:
             self.rounds.maybe_apply()
-            self._notifier.notify_all()
+            self.notifier.notify_all()
 
     def reset(self, request: pb.ResetRequest) -> pb.ResetReply:
         """Drop the job of an idle shard (see ``Admission.reset``)."""
-        self._check_open()
+        self.check_open()
         if len(request.job_id) > 64:
             raise InvalidArgument("job_id has at most 64 characters")
         job_id, version = self._admission.reset(request.job_id)
-        self._digest = None
+        self._stats.forget()
         return pb.ResetReply(job_id=job_id, version=version)
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
@@ -168,9 +213,9 @@ class ShardStore:
         """
         checks.check_worker_id(request.worker_id, self.config)
         checks.check_session(request.session)
-        self._check_open()
-        self._members.get(request.worker_id, request.session)
-        return pb.HeartbeatReply(members=self._members.ids(), membership_epoch=self._members.epoch,
+        self.check_open()
+        self.members.get(request.worker_id, request.session)
+        return pb.HeartbeatReply(members=self.members.ids(), membership_epoch=self.members.epoch,
                                  version=self.version, lease_seconds=self.config.lease_seconds)
 
     async def init(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> int:
@@ -198,13 +243,13 @@ class ShardStore:
             FailedPrecondition: not a member (of this session), not initialised, plan
                 mismatch, or a round other than the open one.
             InvalidArgument: a bad header or frames, missing chunks, NaN/Inf gradients;
-                the shard's state is unchanged.
+                nothing on the shard changed.
             Aborted: another push of this worker is in flight, or the round closed without it.
         """
         checks.check_round_header(header, self.config)
-        self._check_open()
-        job = self._require_job(header.plan_fingerprint)
-        member = self._members.get(header.worker_id, header.session)
+        self.check_open()
+        job = self.require_job(header.plan_fingerprint)
+        member = self.members.get(header.worker_id, header.session)
         if not job.initialised:
             raise FailedPrecondition("this shard has not been initialised yet: pull version 0 first")
         received, needs_commit = await self.rounds.push(member, header, frames, can_commit=can_commit)
@@ -219,7 +264,7 @@ class ShardStore:
             InvalidArgument, Unavailable: the round was refused (its error).
             DeadlineExceeded: the round did not close in time.
         """
-        member = self._members.get(worker_id, session)
+        member = self.members.get(worker_id, session)
         limit = self.config.max_wait_seconds if timeout is None else min(timeout, self.config.max_wait_seconds)
 
         def report() -> pb.RoundReport | None:
@@ -228,11 +273,11 @@ class ShardStore:
                 return closed.report
             return None
 
-        await self._notifier.wait_for(
+        await self.notifier.wait_for(
             lambda: self._closing or report() is not None or (member.failed is not None and member.failed[0] == round_),
             limit,
         )
-        self._check_open()
+        self.check_open()
         if member.failed is not None and member.failed[0] == round_:
             raise member.failed[1]
         if report() is None:
@@ -241,7 +286,7 @@ class ShardStore:
 
     def commit(self, worker_id: str, session: str, commit: pb.RoundCommit) -> None:
         """Record a member's commit of the round waiting for commits (see ``Rounds.commit``)."""
-        self.rounds.commit(self._members.get(worker_id, session), commit)
+        self.rounds.commit(self.members.get(worker_id, session), commit)
 
     # ----------------------------------------------------------------- pull
     async def wait_version(self, worker_id: str, session: str, min_version: int, timeout: float | None) -> int:
@@ -258,7 +303,7 @@ class ShardStore:
             DeadlineExceeded: not reached in time (the message names who has not pushed).
             Unavailable: the shard is shutting down.
         """
-        member = self._members.get(worker_id, session)
+        member = self.members.get(worker_id, session)
         # answer a little before the caller's deadline, so that it reads who the round waits for
         limit = self.config.max_wait_seconds if timeout is None else min(timeout - min(1.0, timeout / 20),
                                                                           self.config.max_wait_seconds)
@@ -268,9 +313,9 @@ class ShardStore:
             return member.failed is not None and member.failed[0] == min_version - 1
 
         def ready() -> bool:
-            job = self._job
+            job = self.job
             return (
-                self._closing or failed() or self._members.find(worker_id) is not member
+                self._closing or failed() or self.members.find(worker_id) is not member
                 or (job is not None and not job.initialised and job.initialiser is None)
                 or (job is not None and job.initialised and rounds.version >= min_version
                     and not (rounds.applying and rounds.mode.synchronous))  # async pulls read a snapshot
@@ -283,18 +328,18 @@ class ShardStore:
                 )
             self._waiting += 1
             try:
-                done = await self._notifier.wait_for(ready, limit)
+                done = await self.notifier.wait_for(ready, limit)
             finally:
                 self._waiting -= 1
         else:
             done = True
-        self._check_open()
+        self.check_open()
         if failed():
             raise member.failed[1]
-        if self._members.find(worker_id) is not member:
+        if self.members.find(worker_id) is not member:
             raise Aborted(f"worker {shown(worker_id)} stopped being a member of this shard while it waited (it left, "
                           f"or its lease expired: no call for {self.config.lease_seconds:g}s): join again")
-        job = self._job
+        job = self.job
         if job is not None and not job.initialised and job.initialiser is None:
             raise Aborted(
                 "nobody is initialising this shard (the worker named to do it left or did not complete Init "
@@ -310,7 +355,7 @@ class ShardStore:
             raise DeadlineExceeded(
                 f"shard {self.config.shard_index} did not reach version {min_version} within {limit:.1f}s "
                 f"(version {rounds.version}, initialised={job is not None and job.initialised}, "
-                f"{len(self._members)}/{self.config.min_workers} workers joined, "
+                f"{len(self.members)}/{self.config.min_workers} workers joined, "
                 f"round {rounds.version} still waits for {missing[:20]})"
             )
         return rounds.version
@@ -324,13 +369,13 @@ class ShardStore:
         """
         checks.check_dtype(dtype_code, "pull dtype")
         dtype = FLOAT_DTYPES[dtype_code or pb.FLOAT32]
-        job, rounds = self._job, self.rounds
+        job, rounds = self.job, self.rounds
         if not rounds.mode.synchronous:
             return self._snapshot(dtype)
 
         def check() -> None:
-            self._check_open()
-            if rounds.version != version or rounds.applying or self._job is not job:
+            self.check_open()
+            if rounds.version != version or rounds.applying or self.job is not job:
                 raise Aborted(f"shard moved on from version {version} during the pull; pull again")
 
         return self._stream(job.table.frames(rounds.params, rounds.buffers, version, dtype, check))
@@ -343,22 +388,21 @@ class ShardStore:
         reads one whole version (memory: one copy of the shard's parameters
         in the wire dtype per pull being sent).
         """
-        job, rounds = self._job, self.rounds
+        job, rounds = self.job, self.rounds
 
         def encode() -> list[bytes]:
             return list(job.table.frames(rounds.params, rounds.buffers, rounds.snapshot_version, dtype, lambda: None))
 
-        frames = await self._run(encode)
-        self._check_open()
+        frames = await self.run(encode)
+        self.check_open()
         async for frame in self._stream(frames):
             yield frame
 
     async def wait_turn(self, worker_id: str, session: str, round_: int, timeout: float | None) -> None:
         """async/ssp: wait until this member's push of ``round_`` is applied and, in ssp, its clock is allowed.
 
-        In ssp with bound ``s``, a member whose clock is ``c`` waits until the
-        slowest live member's clock is ``c - s`` or more (Ho et al., NIPS 2013);
-        a member that leaves or is dropped stops being waited for.
+        Whether the clock is allowed, and the message when it is not in time,
+        are ssp's rule (``consistency/ssp.py``); this is only the wait.
 
         Raises:
             FailedPrecondition: not a member of this session.
@@ -367,7 +411,7 @@ class ShardStore:
             DeadlineExceeded: not applied, or the slowest worker not close enough, in time
                 (the message names the slowest workers).
         """
-        member = self._members.get(worker_id, session)
+        member = self.members.get(worker_id, session)
         rounds = self.rounds
         limit = self.config.max_wait_seconds if timeout is None else min(timeout - min(1.0, timeout / 20),
                                                                           self.config.max_wait_seconds)
@@ -375,26 +419,19 @@ class ShardStore:
         def failed() -> bool:
             return member.failed is not None and member.failed[0] == round_
 
-        def allowed() -> bool:
-            return rounds.mode.name != "ssp" or rounds.slowest_clock() >= member.clock - rounds.mode.staleness
-
         def ready() -> bool:
-            return (self._closing or failed() or self._members.find(worker_id) is not member
-                    or (member.applied_round >= round_ and allowed()))
+            return (self._closing or failed() or self.members.find(worker_id) is not member
+                    or (member.applied_round >= round_ and ssp.clock_allowed(rounds.mode, member, self.members)))
 
-        done = await self._notifier.wait_for(ready, limit)
-        self._check_open()
+        done = await self.notifier.wait_for(ready, limit)
+        self.check_open()
         if failed():
             raise member.failed[1]
-        if self._members.find(worker_id) is not member:
+        if self.members.find(worker_id) is not member:
             raise Aborted(f"worker {shown(worker_id)} stopped being a member of this shard while it waited: join again")
         if not done:
-            slow = sorted(self._members.members(), key=lambda m: m.clock)[:5]
-            raise DeadlineExceeded(
-                f"shard {self.config.shard_index}: worker {shown(worker_id)} at clock {member.clock} waited "
-                f"{limit:.1f}s (push applied: {member.applied_round >= round_}); slowest workers "
-                f"{[(shown(m.worker_id), m.clock) for m in slow]} (ssp bound {rounds.mode.staleness})"
-            )
+            raise ssp.turn_overdue(self.config.shard_index, rounds.mode, member, self.members, limit,
+                                   applied=member.applied_round >= round_)
 
     async def _stream(self, frames) -> AsyncIterator[bytes]:
         sent = 0
@@ -414,8 +451,8 @@ class ShardStore:
         checks.check_worker_id(request.worker_id, self.config)
         checks.check_session(request.session)
         checks.check_dtype(request.dtype, "pull dtype")
-        self._require_job(request.plan_fingerprint)
-        self._members.get(request.worker_id, request.session)
+        self.require_job(request.plan_fingerprint)
+        self.members.get(request.worker_id, request.session)
 
     # ----------------------------------------------------------------- leave, stats, close
     def leave(self, request: pb.LeaveRequest) -> int:
@@ -431,13 +468,13 @@ class ShardStore:
         """
         checks.check_worker_id(request.worker_id, self.config)
         checks.check_session(request.session)
-        member = self._members.remove(request.worker_id, request.session)
+        member = self.members.remove(request.worker_id, request.session)
         if member is None:
-            return len(self._members)
+            return len(self.members)
         log.info("shard %d: worker %s left (%d members)", self.config.shard_index, shown(member.worker_id),
-                 len(self._members))
+                 len(self.members))
         self._drop(member)
-        return len(self._members)
+        return len(self.members)
 
     def _drop(self, member: Member, apply: bool = True) -> None:
         """``member`` is no longer a member (it left or its lease expired): nothing waits for it any more.
@@ -446,32 +483,16 @@ class ShardStore:
         """
         self._admission.left(member)
         self.rounds.drop(member, apply)
-        self._notifier.notify_all()
-
-    async def _digest_of_current(self) -> str:
-        """SHA-256 of the version, parameters and optimizer state; one computation shared by concurrent callers."""
-        if self._digest is None:
-            async def compute() -> str:
-                try:
-                    while self.rounds.applying:  # read the buffers between rounds only
-                        await self._notifier.wait_for(lambda: not self.rounds.applying, self.config.max_wait_seconds)
-                    return await self._run(self.rounds.optimizer.digest, self.version)
-                finally:
-                    self._digest = None
-
-            self._digest = asyncio.ensure_future(compute())
-        return await asyncio.shield(self._digest)
+        self.notifier.notify_all()
 
     async def stats(self, request: pb.StatsRequest) -> pb.StatsReply:
-        """The shard's counters (``server/stats.py``); with ``request.digest``, also the SHA-256 of its state."""
-        digest = ""
-        if request.digest and self.rounds.optimizer is not None:
-            digest = await self._digest_of_current()
-        return stats_reply(self, digest, request.plan)
+        """The shard's counters; with ``request.digest``, also the SHA-256 of its version, parameters and
+        optimizer state (``server/stats.py``)."""
+        return await self._stats.reply(request)
 
     def close(self) -> None:
         """Refuse new work and wake every waiting call (they fail with Unavailable)."""
         self._closing = True
         if self._lease_watch is not None:
             self._lease_watch.cancel()
-        self._notifier.notify_all()
+        self.notifier.notify_all()

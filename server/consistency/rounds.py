@@ -20,10 +20,10 @@ of the norm, whether it found Inf/NaN), and waits for every member's
 :class:`pb.RoundCommit` (skip, clip coefficient), which all must agree. So
 every shard clips by the same coefficient and skips the same rounds.
 
-A round whose update would not be finite is refused whole: state
-unchanged, every pusher of the round gets the error, and the shard collects
-the same round again. A skipped round (GradScaler overflow) completes with
-the parameters and optimizer state unchanged.
+A round whose update would not be finite is refused whole: parameters and
+optimizer state unchanged, every pusher of the round gets the error, and
+the shard collects the same round again. A skipped round (GradScaler
+overflow) completes with both unchanged.
 
 Runs on the shard's event loop beside ``store.py`` and shares its
 membership and notifier. Everything a round needs is captured in one
@@ -228,7 +228,7 @@ class Rounds:
         Raises:
             FailedPrecondition: a round other than the open one.
             InvalidArgument: bad frames or trailer, missing chunks, NaN/Inf gradients
-                (state unchanged); or the round this push completed was refused.
+                (nothing changed); or the round this push completed was refused.
             Aborted: another push of this member is in flight, the round is being
                 applied, or it closed without this push (the member left).
         """
@@ -305,10 +305,6 @@ class Rounds:
         member.clock = min((m.clock for m in self._members.members() if m is not member), default=0)
         if not self.mode.synchronous and self.table is not None:
             self.maybe_apply()  # pushes queued while the job waited for --min-workers
-
-    def slowest_clock(self) -> int:
-        """The lowest clock of the live members (0 with none)."""
-        return min((m.clock for m in self._members.members()), default=0)
 
     def _give_back(self, staging: dict[int, torch.Tensor] | None, arena: torch.Tensor | None) -> None:
         limit = max(1, len(self._members))

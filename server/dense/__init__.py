@@ -1,1 +1,1 @@
-"""The dense store: flat fp32 buffers of the shard's chunks, the optimizer that steps them, and its state."""
+"""The dense store: flat fp32 buffers of the shard's chunks, the optimizer that steps them, and its optimizer state."""

@@ -71,8 +71,15 @@ class ChunkTable:
         """Name a parameter by its plan index."""
         return f"key {self.plan.keys[key].key!r}" if 0 <= key < len(self.plan.keys) else f"key index {key}"
 
-    def _locate(self, key: str, offset: int, numel: int) -> tuple[bool, int]:
-        """``(is_buffer, local index)`` of a chunk, or raise naming what is wrong with it."""
+    def locate(self, key: str, offset: int, numel: int) -> tuple[bool, int]:
+        """Where the chunk of ``key`` at element ``offset`` goes: ``(is_buffer, index)``.
+
+        ``index`` is into :attr:`buffer_chunks` if ``is_buffer`` else into :attr:`chunks`.
+
+        Raises:
+            InvalidArgument: an unknown key, an offset where no chunk starts, a chunk
+                of another shard, or ``numel`` other than the plan's (the message says which).
+        """
         index = self._local.get((key, offset))
         is_buffer = index is None and (key, offset) in self._local_buffers
         if is_buffer:
@@ -161,7 +168,7 @@ class Receiver:
 
     def add_chunk(self, frame: DecodedFrame) -> None:
         what, h = self.what, frame.header
-        is_buffer, index = self.table._locate(h.key, h.offset, h.numel)
+        is_buffer, index = self.table.locate(h.key, h.offset, h.numel)
         if h.version != self.version:
             raise InvalidArgument(f"{what}: chunk of key {h.key!r} is tagged version {h.version}, expected {self.version}")
         seen = self.seen_buffers if is_buffer else self.seen

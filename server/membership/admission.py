@@ -339,7 +339,7 @@ class Admission:
         """Rebuild the job from a checkpoint (``shardps.common.checkpoint.Snapshot``) before the shard serves.
 
         Raises:
-            ValueError: the checkpoint does not fit this shard (another shard count or index, bad state).
+            ValueError: the checkpoint does not fit this shard (another shard count or index, bad optimizer state).
         """
         cfg = self.config
         plan_spec, spec = pb.PlanSpec.FromString(snap.plan), pb.OptimizerSpec.FromString(snap.spec)

@@ -8,9 +8,9 @@ one worker, or the job fails loudly):
    left or has not completed Init within ``init_timeout_seconds``.
 2. The worker then joins every other shard with shard 0's :class:`JobView`
    (job id, initialiser, initialised, version). A shard follows shard 0's
-   choice of initialiser, and refuses a view that contradicts its own
-   state: a shard that holds nothing while shard 0 is already initialised
-   (it lost its state, e.g. it restarted), a shard of another job, a shard
+   choice of initialiser, and refuses a view that contradicts what it
+   holds: a shard that holds nothing while shard 0 is already initialised
+   (it lost its partition, e.g. it restarted), a shard of another job, a shard
    initialised by another worker, or a shard whose initialiser is gone while
    shard 0 is initialised (initialisation stopped half-way).
 3. Only the named initialiser's Init is accepted, and only once: the check
@@ -200,7 +200,7 @@ def check_view_for_new_job(view: pb.JobView, shard_index: int) -> None:
 
     Raises:
         InvalidArgument: no view (the worker did not join shard 0 first).
-        FailedPrecondition: shard 0 is already initialised: this shard lost its state.
+        FailedPrecondition: shard 0 is already initialised: this shard lost its partition.
     """
     if not view.job_id:
         raise InvalidArgument(

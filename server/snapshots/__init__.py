@@ -1,1 +1,1 @@
-"""Snapshots of a shard's whole state: checkpoints on disk, and the calls that read or replace it between rounds."""
+"""Snapshots of a shard on disk: checkpoints of its job, parameters, buffers and optimizer state, and restoring them."""

@@ -35,7 +35,7 @@ class Checkpoints:
     """The checkpoints of one shard (a part of :class:`shardps.server.store.ShardStore`).
 
     Args:
-        store: the shard's store (its config, rounds, admission, notifier and compute thread).
+        store: the shard's store (its public names only: config, rounds, job, notifier, compute thread).
 
     Attributes:
         latest: ``(version, Unix seconds)`` of the newest checkpoint written or restored; ``(0, 0.0)``: none.
@@ -62,12 +62,12 @@ class Checkpoints:
         store, cfg = self.store, self.store.config
         if self.directory is None:
             return
-        snap = await store._run(checkpoint.newest, self.directory, cfg.restore_version)
+        snap = await store.run(checkpoint.newest, self.directory, cfg.restore_version)
         if snap is None and cfg.restore_version:
             raise RuntimeError(f"no intact checkpoint of version <= {cfg.restore_version} in {self.directory}")
         if snap is not None:
             try:
-                await store._admission.restore(snap)
+                await store.restore_job(snap)
             except (ValueError, StateError) as exc:
                 raise RuntimeError(f"checkpoint of version {snap.version} in {self.directory}: {exc}") from None
             self.latest = (snap.version, time.time())
@@ -79,8 +79,8 @@ class Checkpoints:
 
     def _due(self) -> bool:
         store, cfg = self.store, self.store.config
-        job = store._job
-        if store._closing or job is None or not job.initialised or store.rounds.applying:
+        job = store.job
+        if store.closing or job is None or not job.initialised or store.rounds.applying:
             return False
         version = self.latest[0]
         by_rounds = cfg.checkpoint_every_rounds and store.version >= version + cfg.checkpoint_every_rounds
@@ -90,8 +90,8 @@ class Checkpoints:
 
     async def _on_schedule(self) -> None:
         store = self.store
-        while not store._closing:
-            await store._notifier.wait_for(lambda: self._due() or store._closing, 1.0)
+        while not store.closing:
+            await store.notifier.wait_for(lambda: self._due() or store.closing, 1.0)
             if self._due():
                 try:
                     await self.write()
@@ -109,8 +109,8 @@ class Checkpoints:
         store = self.store
         async with self._lock:
             while store.rounds.applying:
-                await store._notifier.wait_for(lambda: not store.rounds.applying, store.config.max_wait_seconds)
-            job, rounds = store._job, store.rounds
+                await store.notifier.wait_for(lambda: not store.rounds.applying, store.config.max_wait_seconds)
+            job, rounds = store.job, store.rounds
             if self.directory is None or job is None or not job.initialised:
                 return 0
             if self.latest[0] == store.version and store.version:
@@ -124,7 +124,7 @@ class Checkpoints:
                 version=store.version, job_id=job.job_id, fingerprint=job.fingerprint,
                 initialised_by=job.initialised_by, plan=job.plan_bytes, spec=job.spec.SerializeToString(),
                 static_digest=job.static_digest, hyperparams=rounds.optimizer.hyperparams(), tensors=tensors,
-                members=self.store._members.ids(),
+                members=self.store.members.ids(),
             )
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(
