@@ -173,7 +173,7 @@ def test_a_port_in_use_is_an_error(start_cluster) -> None:
     cluster = start_cluster(1)
     port = cluster.addresses[0].rsplit(":", 1)[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "shardps.server", "--shard-index", "0", "--num-shards", "1", "--port", port],
+        [sys.executable, "-m", "shardps.cli.server", "--shard-index", "0", "--num-shards", "1", "--port", port],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 1
