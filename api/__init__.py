@@ -5,8 +5,8 @@ Each is imported on first use (PEP 562), so that a shard process never imports t
 worker side, and operator commands start without importing torch:
 
 - worker side: :class:`DistributedOptimizer` and its option groups
-  (:class:`ConsistencyOptions`, :class:`WireOptions`, :class:`BufferOptions`,
-  :class:`ObservabilityOptions`), :class:`NodeOptimizer` (reduction within a node),
+  (:class:`ConsistencyOptions`, :class:`WireOptions`, :class:`ObservabilityOptions`),
+  :class:`NodeOptimizer` (reduction within a node),
   :class:`LocalCluster` (shard processes on this machine), :class:`ShardRpcError`,
   :class:`GradientEditedError`, and :mod:`shardps.worker.export` as ``export``;
 - shared: :class:`ChannelSecurity` (TLS, mutual TLS, bearer token),
@@ -23,7 +23,6 @@ _WHERE = {
     "DistributedOptimizer": "shardps.worker.optimizer",
     "ConsistencyOptions": "shardps.worker.config",
     "WireOptions": "shardps.worker.config",
-    "BufferOptions": "shardps.worker.config",
     "ObservabilityOptions": "shardps.worker.config",
     "GradientEditedError": "shardps.worker.pipeline.streams",
     "NodeOptimizer": "shardps.worker.node.optimizer",

@@ -88,9 +88,9 @@ class DigitsConfig:
     security: ChannelSecurity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from shardps.worker.optimizer import mode_spec
+        from shardps.worker.config import ConsistencyOptions
 
-        mode_spec(self.mode, self.staleness, False)  # ValueError names the fix
+        ConsistencyOptions(mode=self.mode, staleness=self.staleness)  # ValueError names the fix
         if not (0 < len(self.job_name) <= 200 and self.job_name.isprintable() and " " not in self.job_name):
             raise ValueError(f"job_name must be 1 to 200 printable characters without spaces, got {self.job_name!r}")
         for name in ("workers", "shards", "epochs", "batch_size", "hidden", "local_ranks"):
@@ -233,6 +233,7 @@ def train_worker(
         ConnectionError: a shard did not answer within ``connect_timeout``.
         shardps.worker.session.client.ShardRpcError: a shard refused a call (e.g. this worker was dropped).
     """
+    from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions
     from shardps.worker.node.optimizer import NodeOptimizer
     from shardps.worker.optimizer import DistributedOptimizer
 
@@ -252,12 +253,15 @@ def train_worker(
     orders: dict[int, torch.Tensor] = {}
     local_steps = 0
     worker_id = worker_id or rank_worker_id(config.job_name, index)
-    options = dict(servers=list(config.servers), chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
-                   pull_dtype=config.pull_dtype, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
-                   mode=config.mode, staleness=config.staleness, security=config.security)
+    options = dict(servers=list(config.servers),
+                   consistency=ConsistencyOptions(mode=config.mode, staleness=config.staleness),
+                   wire=WireOptions(chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
+                                    pull_dtype=config.pull_dtype, connect_timeout=connect_timeout,
+                                    rpc_timeout=rpc_timeout, security=config.security))
     if config.metrics_port is not None:
         process = slot  # index * local_ranks + local_rank
-        options["metrics_port"] = config.metrics_port + process if config.metrics_port else 0
+        options["observability"] = ObservabilityOptions(
+            metrics_port=config.metrics_port + process if config.metrics_port else 0)
     if config.local_ranks > 1:
         wrapper = NodeOptimizer(optimizer, model.named_parameters(), node_id=worker_id, group=group, **options)
     else:

@@ -191,14 +191,14 @@ def _run_task(task: dict, rank: int, counter: Any, results: Any, go: Any) -> dic
         finally:
             dist.destroy_process_group()
     else:
-        from shardps.worker import DistributedOptimizer
+        from shardps.worker import ConsistencyOptions, DistributedOptimizer, WireOptions
 
         opt = DistributedOptimizer(make_optimizer(task["optimizer"], model.parameters(), task["lr"]),
-                                   model.named_parameters(), servers=task["endpoint"],
-                                   worker_id=f"straggler-{rank}", mode=mode,
-                                   staleness=task["staleness"] if mode == "ssp" else None,
-                                   scale_lr_by_staleness=task["scale_lr"] and mode != "sync",
-                                   rpc_timeout=timeout, connect_timeout=min(timeout, 30.0))
+                                   model.named_parameters(), servers=task["endpoint"], worker_id=f"straggler-{rank}",
+                                   consistency=ConsistencyOptions(
+                                       mode=mode, staleness=task["staleness"] if mode == "ssp" else None,
+                                       scale_lr_by_staleness=task["scale_lr"] and mode != "sync"),
+                                   wire=WireOptions(rpc_timeout=timeout, connect_timeout=min(timeout, 30.0)))
         try:
             ready = _wait_for_go(rank, results, go, timeout)
             start, cpu = time.monotonic(), time.process_time()

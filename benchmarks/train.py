@@ -213,17 +213,18 @@ def _worker(
     model = make_model(kind)
     net = model
     if system == "shardps":
-        from shardps.worker import DistributedOptimizer
+        from shardps.worker import DistributedOptimizer, WireOptions
 
-        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
-                                   model.named_parameters(), servers=servers, worker_id=f"bench-{rank}",
-                                   model=model, chunk_bytes=chunk_bytes)
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
+                                   servers=servers, worker_id=f"bench-{rank}", model=model,
+                                   wire=WireOptions(chunk_bytes=chunk_bytes))
     elif system == "shardps_node":
+        from shardps.worker.config import WireOptions
         from shardps.worker.node.optimizer import NodeOptimizer
 
         opt = NodeOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
                             servers=servers, node_id="node0", named_buffers=model.named_buffers(),
-                            chunk_bytes=chunk_bytes)
+                            wire=WireOptions(chunk_bytes=chunk_bytes))
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel

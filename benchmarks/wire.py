@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from common import emit, parser, table  # noqa: E402
 
 from shardps.common.transport import channel_options  # noqa: E402
-from shardps.worker import DistributedOptimizer, LocalCluster  # noqa: E402
+from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions  # noqa: E402
 
 MODEL_BYTES = 64 << 20
 
@@ -113,7 +113,7 @@ def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtyp
     params = [torch.nn.Parameter(torch.randn(MODEL_BYTES // 16)) for _ in range(4)]
     named = [(f"layer{i}.weight", p) for i, p in enumerate(params)]
     dist = DistributedOptimizer(torch.optim.SGD(params, lr=1e-6), named, servers=cluster.addresses,
-                                chunk_bytes=chunk, push_dtype=push_dtype, pull_dtype=pull_dtype)
+                                wire=WireOptions(chunk_bytes=chunk, push_dtype=push_dtype, pull_dtype=pull_dtype))
 
     def round_trip() -> None:
         for p in params:

@@ -53,7 +53,7 @@ import time
 import torch
 from torch import nn
 
-from shardps.worker import DistributedOptimizer
+from shardps.worker import DistributedOptimizer, WireOptions
 from shardps.apps.digits import DigitsConfig, learning_rate, load_split, make_model, steps_per_epoch, total_steps
 
 
@@ -90,7 +90,7 @@ per_epoch, total = steps_per_epoch(config), total_steps(config)
 global_batch = world * config.batch_size
 
 with DistributedOptimizer(optimizer, model.named_parameters(), servers=args.servers, worker_id=worker_id,
-                          connect_timeout=args.connect_timeout) as dist:
+                          wire=WireOptions(connect_timeout=args.connect_timeout)) as dist:
     version = dist.version  # 0 for a new job; the shards' version for a restarted rank
     say(f"joined pid={pid} worker_id={worker_id} version={version} resumed={dist.resumed} "
         f"members={','.join(dist.members)} t={time.time():.3f}")

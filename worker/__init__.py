@@ -1,6 +1,6 @@
-"""shardps worker side: ``DistributedOptimizer``, ``LocalCluster`` and the ``shardps`` CLI.
+"""shardps worker side: ``DistributedOptimizer``, its option groups, ``LocalCluster`` and the ``shardps`` CLI.
 
-The two names are imported on first use (PEP 562), so that operator commands
+The names are imported on first use (PEP 562), so that operator commands
 (``shardps stats``, ``shardps health``) start without importing torch.
 """
 
@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["DistributedOptimizer", "LocalCluster"]
-_WHERE = {"DistributedOptimizer": "shardps.worker.optimizer", "LocalCluster": "shardps.worker.cluster"}
+__all__ = ["ConsistencyOptions", "DistributedOptimizer", "LocalCluster", "ObservabilityOptions", "WireOptions"]
+_WHERE = {
+    "DistributedOptimizer": "shardps.worker.optimizer",
+    "ConsistencyOptions": "shardps.worker.config",
+    "WireOptions": "shardps.worker.config",
+    "ObservabilityOptions": "shardps.worker.config",
+    "LocalCluster": "shardps.worker.cluster",
+}
 
 
 def __getattr__(name: str):

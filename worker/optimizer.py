@@ -23,19 +23,18 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import FLOAT_DTYPES, wire_dtype
 from shardps.common.optim import optimizer_spec
+from shardps.common.addresses import parse_servers
 from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
-from shardps.common.security import ChannelSecurity
-from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker import optimizer_state as optimizer_state
+from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions, moved_keywords_error
 from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.pipeline.commit import RoundOptions, await_decision
 from shardps.worker.session.join import JoinPlan, join_job
@@ -48,29 +47,9 @@ from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, 
 from shardps.worker.pipeline.steps import RoundSteps
 from shardps.worker.pipeline.tensors import HyperparamChanges, buffer_infos, static_digest
 
-__all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id", "mode_spec"]
+__all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_BYTES = 1 << 20
-
-
-def mode_spec(mode: str, staleness: int | None, scale_lr_by_staleness: bool) -> pb.ModeSpec:
-    """Check the consistency-mode arguments of :class:`DistributedOptimizer`.
-
-    Raises:
-        ValueError: an unknown mode, ssp without an int bound >= 0, a bound or lr
-            scaling with a mode that has none.
-    """
-    if mode not in ("sync", "async", "ssp"):
-        raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
-    if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
-        raise ValueError(f"mode='ssp' needs staleness=s, an int >= 0 (clocks a worker may run ahead); got {staleness!r}")
-    if mode != "ssp" and staleness is not None:
-        raise ValueError(f"staleness={staleness!r} only applies to mode='ssp', not {mode!r}")
-    if scale_lr_by_staleness and mode == "sync":
-        raise ValueError("scale_lr_by_staleness applies to mode='async' or 'ssp' (sync rounds have no staleness)")
-    return pb.ModeSpec(mode=mode, staleness=staleness or 0, scale_lr_by_staleness=scale_lr_by_staleness)
 
 
 def default_worker_id() -> str:
@@ -80,6 +59,10 @@ def default_worker_id() -> str:
 
 class DistributedOptimizer(RoundSteps):
     """Run ``optimizer``'s updates on the shards (sync, async or ssp), with torch.optim's semantics.
+
+    The common case is one line::
+
+        dist = DistributedOptimizer(opt, model.named_parameters(), servers="host:port,host:port")
 
     Args:
         optimizer: a ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad or
@@ -91,15 +74,12 @@ class DistributedOptimizer(RoundSteps):
         named_parameters: ``model.named_parameters()``; the names are the keys.
             Parameters not in ``optimizer`` are never sent nor touched; every worker
             must hold the same values for them (the shards compare a digest).
-        servers: shard addresses ``host:port``, in shard-index order.
+        servers: shard addresses ``host:port``, in shard-index order: a list, or one
+            comma-separated string (``shardps.common.addresses.parse_servers``).
         worker_id: stable id of this worker (default: host-pid-random), 1 to 256
             printable characters. Two live processes may not share one: the
             second is refused with ALREADY_EXISTS. The process is told apart by
             ``session``, a random token made here and sent with every call.
-        chunk_bytes: largest chunk in bytes (default 1 MiB); the same on every worker.
-        push_dtype, pull_dtype: wire types of gradients and parameters
-            (``"fp32"``, ``"bf16"`` or ``"fp16"``); shards keep fp32 master weights.
-        backward_passes_per_step: backward calls accumulated before gradients are pushed.
         model: the module that owns the parameters. When given, its buffers are
             synchronised (see ``broadcast_buffers``) and ``step()`` returns as
             soon as the gradients are handed to the network: the new parameters
@@ -111,6 +91,7 @@ class DistributedOptimizer(RoundSteps):
         broadcast_buffers: before every forward, every worker holds the lowest
             worker id's buffers of the previous step, as DDP's
             ``broadcast_buffers=True`` (default) gives every rank rank 0's.
+        backward_passes_per_step: backward calls accumulated before gradients are pushed.
         max_grad_norm: clip the averaged gradient to this total norm over the
             whole model before the update, exactly as ``clip_grad_norm_`` after
             DDP's averaging (do not call ``clip_grad_norm_`` yourself). The norm of
@@ -123,41 +104,29 @@ class DistributedOptimizer(RoundSteps):
         push_during_backward: push each gradient from its hook while backward
             runs (default). With False, everything is pushed at ``step()``, so
             gradients may be edited freely in between (no overlap).
-        on_membership_change: called with the member ids (from a background
-            thread) when workers join, leave or are dropped at lease expiry.
-        checksum: send a CRC-32 with every gradient chunk.
-        rpc_timeout: deadline of every call in seconds.
-        connect_timeout: how long to wait for each shard to answer, seconds;
-            also how long a Join waits for this ``worker_id`` to be freed by a
-            crashed process whose lease has not expired yet.
-        mode: ``"sync"`` (default: bulk synchronous rounds, the exact equivalent of
-            single-process training on the whole batch), ``"async"`` (each push
-            applied on arrival with its own learning rates; ``step()`` gets the
-            newest parameters without waiting for other workers) or ``"ssp"``
-            (as async, but a worker never runs more than ``staleness`` steps ahead
-            of the slowest live worker; Ho et al., NIPS 2013). The first worker
-            fixes the job's mode; a worker with another one is refused.
-        staleness: ssp's bound ``s`` (required with ``mode="ssp"``, an int >= 0).
-        scale_lr_by_staleness: async/ssp: the shards divide each push's learning
-            rates by ``max(1, staleness)`` (Zhang et al., IJCAI 2016). Off by default.
-        retry_seconds: how long repeatable calls (Join, Pull, Stats, ...) are
-            retried after UNAVAILABLE or DEADLINE_EXCEEDED, with capped
-            exponential backoff and jitter, before ``ShardRpcError``; also how
-            long a restarting shard is waited for (``shardps.worker.session.recovery``).
-        max_message_bytes: gRPC message limit in bytes (must match the shards').
-        security: TLS, mutual TLS and the bearer token of every channel
-            (``shardps.common.security.ChannelSecurity``; default: plaintext, no token).
-        metrics_port: serve this worker's Prometheus metrics (``shardps.worker.metrics``)
-            over HTTP on ``metrics_host:metrics_port`` (0: a free one, then read
-            ``metrics_port`` after construction); None (default): not served.
-            ``self.metrics`` records them either way.
-        metrics_registry: the ``prometheus_client.CollectorRegistry`` the metrics go
-            to (default: a fresh one per optimizer).
+        consistency: sync (default), async or ssp rounds
+            (:class:`~shardps.worker.config.ConsistencyOptions`: ``mode``,
+            ``staleness``, ``scale_lr_by_staleness``). The first worker fixes the
+            job's mode; a worker with another one is refused.
+        wire: chunk size, wire types, checksums, message limit, timeouts, retries
+            and TLS (:class:`~shardps.worker.config.WireOptions`: ``chunk_bytes``,
+            ``push_dtype``, ``pull_dtype``, ``checksum``, ``max_message_bytes``,
+            ``rpc_timeout``, ``connect_timeout``, ``retry_seconds``, ``security``).
+        observability: Prometheus metrics and the membership callback
+            (:class:`~shardps.worker.config.ObservabilityOptions`: ``metrics_port``,
+            ``metrics_host``, ``metrics_registry``, ``on_membership_change``).
+            ``self.metrics`` records the metrics whether or not they are served;
+            ``self.metrics_port`` is the port bound (None: not served).
+
+    A keyword that moved into a group (``mode=``, ``chunk_bytes=``, ``metrics_port=``...)
+    raises a ``TypeError`` naming the group to put it in.
 
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
 
     Raises:
+        TypeError: a keyword this class does not take (a moved one names its group),
+            or an option group of the wrong type.
         ValueError: bad arguments (the message names the fix).
         shardps.common.optim.OptimizerSpecError: an optimizer the shards cannot run.
         ConnectionError: a shard did not answer.
@@ -172,40 +141,31 @@ class DistributedOptimizer(RoundSteps):
         *,
         servers: list[str] | str,
         worker_id: str | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        push_dtype: str = "fp32",
-        pull_dtype: str = "fp32",
-        backward_passes_per_step: int = 1,
         model: torch.nn.Module | None = None,
         named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
         broadcast_buffers: bool = True,
+        backward_passes_per_step: int = 1,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
         grad_scaler: torch.amp.GradScaler | None = None,
         push_during_backward: bool = True,
-        on_membership_change: Callable[[list[str]], None] | None = None,
-        checksum: bool = False,
-        rpc_timeout: float = 120.0,
-        connect_timeout: float = 30.0,
-        retry_seconds: float = 60.0,
-        mode: str = "sync",
-        staleness: int | None = None,
-        scale_lr_by_staleness: bool = False,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        security: ChannelSecurity | None = None,
-        metrics_port: int | None = None,
-        metrics_host: str = "0.0.0.0",
-        metrics_registry: CollectorRegistry | None = None,
+        consistency: ConsistencyOptions = ConsistencyOptions(),
+        wire: WireOptions = WireOptions(),
+        observability: ObservabilityOptions = ObservabilityOptions(),
+        **legacy,
     ) -> None:
-        if isinstance(servers, str):
-            servers = [s for s in servers.split(",") if s]
-        if not servers:
-            raise ValueError("servers must list at least one shard address host:port")
+        if legacy:
+            raise moved_keywords_error(legacy)
+        for name, value, cls in (("consistency", consistency, ConsistencyOptions), ("wire", wire, WireOptions),
+                                 ("observability", observability, ObservabilityOptions)):
+            if not isinstance(value, cls):
+                raise TypeError(f"{name}= takes a shardps.worker.config.{cls.__name__}(...), "
+                                f"got {type(value).__name__}")
+        servers = parse_servers(servers)
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if chunk_bytes + (64 << 10) > max_message_bytes:
-            raise ValueError(f"chunk_bytes {chunk_bytes} does not fit in max_message_bytes {max_message_bytes}")
-        self.mode = mode_spec(mode, staleness, scale_lr_by_staleness)
+        self._consistency, self._wire, self._observability = consistency, wire, observability
+        self.mode = consistency.to_proto()
         self._options = RoundOptions(max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scaler=grad_scaler)
         named = list(named_parameters)
         for name, p in named:
@@ -217,13 +177,13 @@ class DistributedOptimizer(RoundSteps):
         if broadcast_buffers and named_buffers is None and model is not None:
             named_buffers = model.named_buffers()
         buffers, self._buffers = buffer_infos(named_buffers if broadcast_buffers and named_buffers is not None else ())
-        self.plan = PartitionPlan.build(keys, num_shards=len(servers), chunk_bytes=chunk_bytes, buffers=buffers)
+        self.plan = PartitionPlan.build(keys, num_shards=len(servers), chunk_bytes=wire.chunk_bytes, buffers=buffers)
         self.worker_id = worker_id or default_worker_id()
         self.session = uuid.uuid4().hex
-        self._push_dtype = FLOAT_DTYPES[wire_dtype(push_dtype)]
-        self._pull_code = wire_dtype(pull_dtype)
+        self._push_dtype = FLOAT_DTYPES[wire_dtype(wire.push_dtype)]
+        self._pull_code = wire_dtype(wire.pull_dtype)
         self._passes = backward_passes_per_step
-        self._checksum = checksum
+        self._checksum = wire.checksum
         named_map = dict(named)
         self._params = {k.key: named_map[k.key] for k in keys}
         self._index = {k.key: i for i, k in enumerate(keys)}
@@ -237,7 +197,7 @@ class DistributedOptimizer(RoundSteps):
         self._hyperparams = HyperparamChanges(optimizer)
         self._round: Round | None = None  # the round being pushed
         self._pulling: Round | None = None  # the round whose parameters are still arriving
-        self._rpc_timeout = rpc_timeout
+        self._rpc_timeout = wire.rpc_timeout
         self._diverged = ""  # set when a round was applied by some shards and failed by others
         self._lock = threading.Lock()  # guards self._round between hooks and step()
         self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
@@ -247,30 +207,31 @@ class DistributedOptimizer(RoundSteps):
         self._routed: dict | None = None  # the wrapped optimizer's methods while they are routed here
         self._leases: Leases | None = None
         self._recovery: Recovery | None = None
-        self.metrics = WorkerMetrics(metrics_registry)
+        self.metrics = WorkerMetrics(observability.metrics_registry)
         self.metrics_port: int | None = None
-        policy = RetryPolicy(total_seconds=retry_seconds, on_retry=self.metrics.retried)
+        policy = RetryPolicy(total_seconds=wire.retry_seconds, on_retry=self.metrics.retried)
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         try:
-            if metrics_port is not None:
-                self.metrics_port = self.metrics.serve(metrics_host, metrics_port)
+            if observability.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(observability.metrics_host, observability.metrics_port)
             self._clients = list(self._pool.map(
-                lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=rpc_timeout, connect_timeout=connect_timeout,
-                                       max_message_bytes=max_message_bytes, retry=policy, security=security),
+                lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=wire.rpc_timeout,
+                                       connect_timeout=wire.connect_timeout, max_message_bytes=wire.max_message_bytes,
+                                       retry=policy, security=wire.security),
                 enumerate(servers),
             ))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
-                            static_digest=static_digest(named_map, outside), patience=connect_timeout,
+                            static_digest=static_digest(named_map, outside), patience=wire.connect_timeout,
                             mode=self.mode)
             joined = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
             self.versions = joined.versions
             self._recovery = Recovery(self._clients, join, joined.job_id, joined.incarnations, self._initial_pull)
             self._leases = Leases(self._clients, self.worker_id, self.session, joined.lease_seconds,
-                                  on_membership_change, self._recovery)
+                                  observability.on_membership_change, self._recovery)
             self.resumed = min(self.versions) > 0
             if self.resumed:
                 log.warning("worker %s resumes the job the shards hold, at version %d (not from its own "
@@ -284,7 +245,7 @@ class DistributedOptimizer(RoundSteps):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if model is not None:
             tensors = {id(t): k for k, t in (*self._params.items(), *self._buffers.items())}
-            self._waits = ForwardWaits(model, tensors, lambda: self._pulling, self._finish_pull, rpc_timeout)
+            self._waits = ForwardWaits(model, tensors, lambda: self._pulling, self._finish_pull, wire.rpc_timeout)
         self._routed = optimizer_state.redirect(optimizer, self.state_dict, self.load_state_dict)
 
     # ------------------------------------------------------------ public API
@@ -405,6 +366,78 @@ class DistributedOptimizer(RoundSteps):
     def membership_epoch(self) -> int:
         """Changes whenever a worker joins, leaves or is dropped (shard 0's count; -1 before the first heartbeat)."""
         return self._leases.epoch if self._leases else -1
+
+    @property
+    def consistency(self) -> ConsistencyOptions:
+        """The consistency options this optimizer joined with (``shardps.worker.config``)."""
+        return self._consistency
+
+    @property
+    def wire(self) -> WireOptions:
+        """The wire options in use: chunk size, wire types, checksum, timeouts, TLS (``shardps.worker.config``)."""
+        return self._wire
+
+    @property
+    def observability(self) -> ObservabilityOptions:
+        """The metrics and membership-callback options given (``shardps.worker.config``)."""
+        return self._observability
+
+    # ------------------------------------------------------------ for a node leader
+    # ``shardps.worker.node.optimizer.NodeOptimizer`` runs its rounds itself (its local ranks push the shards they
+    # own) and uses its leader's DistributedOptimizer for joining, heartbeats, recovery and the round's trailer,
+    # through these members only. They are stable, but meant for code that runs rounds of its own.
+
+    @property
+    def clients(self) -> tuple[ShardClient, ...]:
+        """The channel to each shard, in shard order (empty once closed).
+
+        For code that runs rounds itself (the node leader pushes its own shards
+        through them); they belong to this optimizer, which closes them in
+        :meth:`close`: do not close them yourself.
+        """
+        return tuple(self._clients)
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """The rejoining of restarted shards (``shardps.worker.session.recovery.Recovery``); None once construction
+        failed. ``recovery.restarted`` holds the shards the heartbeats found restarted, rejoined by the next
+        :meth:`synchronize`; ``recovery.recover_one`` rejoins a shard whose round failed."""
+        return self._recovery
+
+    def check_healthy(self) -> None:
+        """Raise if no round may start: the model's partitions diverged, or this worker lost its membership.
+
+        Every ``step()`` checks this first; a node leader checks it before each of its rounds.
+
+        Raises:
+            RuntimeError: a round was applied by some shards and failed by others (see
+                :meth:`mark_diverged`), or the shards dropped this worker at lease expiry
+                (the message says what to do).
+        """
+        lost = self._leases.lost if self._leases is not None else ""
+        if self._diverged or lost:
+            raise RuntimeError(self._diverged or lost)
+
+    def mark_diverged(self, reason: str) -> None:
+        """Record that a round was applied by some shards and failed by others: every later round raises ``reason``
+        (:meth:`check_healthy`). For a node leader whose local ranks ran the round
+        (``shardps.worker.session.recovery.divergence`` words ``reason``)."""
+        if not reason:
+            raise ValueError("mark_diverged needs the reason every later step raises")
+        self._diverged = reason
+
+    def round_trailer(self, absent: list[int]) -> pb.RoundTrailer:
+        """The trailer that closes a round pushed by other code than :meth:`step` (a node's local ranks).
+
+        It holds each param group's learning rate read now (LR schedulers work),
+        the hyperparameters changed since the last trailer (so call it once per
+        round), ``absent`` (indices into ``self.plan.keys`` of parameters without a
+        gradient on every contributor) and the clipping / loss-scale fields.
+
+        Raises:
+            ValueError: a learning rate is not finite or is negative.
+        """
+        return self._trailer(self._round_lrs(), absent)
 
     def close(self) -> None:
         """Leave every shard (rounds stop waiting for this worker), remove hooks, close channels."""

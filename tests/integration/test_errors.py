@@ -12,6 +12,7 @@ from shardps.common.codec import encode_chunk, encode_round
 from shardps.common.optim import optimizer_spec
 from shardps.common.plan import KeyInfo, PartitionPlan
 from shardps.worker.session.client import ShardClient, ShardRpcError
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.raw import RawWorker
 
@@ -28,10 +29,8 @@ def joined(start_cluster):
     """One shard with one joined worker ``w0``; yields (cluster, dist, raw client)."""
     cluster = start_cluster(1)
     m = model()
-    dist = DistributedOptimizer(
-        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(),
-        servers=cluster.addresses, worker_id="w0", chunk_bytes=CHUNK_BYTES,
-    )
+    dist = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(),
+                                servers=cluster.addresses, worker_id="w0", wire=WireOptions(chunk_bytes=CHUNK_BYTES))
     client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=10.0)
     yield cluster, dist, m, client
     client.close()
@@ -134,15 +133,15 @@ def test_plan_mismatch_is_rejected(joined) -> None:
     other = nn.Linear(20, 11)  # different shapes -> different plan
     with pytest.raises(ShardRpcError, match="partition plan fingerprint") as err:
         DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9), other.named_parameters(),
-                             servers=cluster.addresses, worker_id="w1", chunk_bytes=CHUNK_BYTES)
+                             servers=cluster.addresses, worker_id="w1", wire=WireOptions(chunk_bytes=CHUNK_BYTES))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     same = model()
     with pytest.raises(ShardRpcError, match="partition plan fingerprint"):  # same model, other chunk size
         DistributedOptimizer(torch.optim.SGD(same.parameters(), lr=0.1, momentum=0.9), same.named_parameters(),
-                             servers=cluster.addresses, worker_id="w2", chunk_bytes=512)
+                             servers=cluster.addresses, worker_id="w2", wire=WireOptions(chunk_bytes=512))
     with pytest.raises(ShardRpcError, match="every worker must build the same optimizer"):
         DistributedOptimizer(torch.optim.Adam(same.parameters(), lr=0.1), same.named_parameters(),
-                             servers=cluster.addresses, worker_id="w3", chunk_bytes=CHUNK_BYTES)
+                             servers=cluster.addresses, worker_id="w3", wire=WireOptions(chunk_bytes=CHUNK_BYTES))
     stats = client.stats()
     assert list(stats.members) == ["w0"] and stats.plan_fingerprint == dist.plan.fingerprint
 
@@ -158,8 +157,8 @@ def test_wrong_number_of_shards_is_rejected(start_cluster) -> None:
 def test_unreachable_shard_fails_fast() -> None:
     m = model()
     with pytest.raises(ConnectionError, match="did not answer"):
-        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
-                             servers=["127.0.0.1:1"], connect_timeout=1.0)
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), servers=["127.0.0.1:1"],
+                             wire=WireOptions(connect_timeout=1.0))
 
 
 def test_zero_grad_with_pushes_in_flight_raises(joined) -> None:
@@ -176,11 +175,11 @@ def test_oversized_messages_are_refused(start_cluster) -> None:
     cluster = start_cluster(1, extra_args=("--max-message-bytes", str(256 << 10)))
     m = nn.Linear(300, 300)  # 90,000 elements
     with pytest.raises(ShardRpcError, match="exceeds the .* this shard accepts") as err:
-        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
-                             servers=cluster.addresses, chunk_bytes=1 << 20)
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), servers=cluster.addresses,
+                             wire=WireOptions(chunk_bytes=1 << 20))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     dist = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
-                                servers=cluster.addresses, worker_id="w0", chunk_bytes=64 << 10)
+                                servers=cluster.addresses, worker_id="w0", wire=WireOptions(chunk_bytes=64 << 10))
     client = ShardClient(cluster.addresses[0], index=0)
     try:
         huge = encode_chunk("weight", 0, torch.zeros(90_000), 0)  # 360 KB frame > 256 KiB limit

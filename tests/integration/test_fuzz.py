@@ -41,6 +41,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import encode_chunk, encode_control, encode_round
 from shardps.common.plan import PartitionPlan
 from shardps.worker.session.client import ShardClient
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.raw import SERVING, RawWorker, health_status, plan_and_spec
 from tests.support.worker_proc import BATCH, data, model
@@ -110,7 +111,7 @@ class Job:
             m = self.models[i]
             opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
             with DistributedOptimizer(opt, m.named_parameters(), servers=self.servers, worker_id=f"w{i}",
-                                      chunk_bytes=256, rpc_timeout=60.0) as dist:
+                                      wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0)) as dist:
                 self.joined.wait(60)
                 for step in range(STEPS):
                     with self.cond:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardps.worker.session.client import ShardClient
+from shardps.worker.config import ObservabilityOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.raw import raw_call
 
@@ -46,8 +47,9 @@ def trained(tmp_path_factory):
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         registry = CollectorRegistry()
         opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model.named_parameters(),
-                                   servers=cluster.servers, worker_id="metrics-w0", metrics_port=0,
-                                   metrics_host="127.0.0.1", metrics_registry=registry)
+                                   servers=cluster.servers, worker_id="metrics-w0",
+                                   observability=ObservabilityOptions(metrics_port=0, metrics_host="127.0.0.1",
+                                                                      metrics_registry=registry))
         with opt:
             for _ in range(STEPS):
                 opt.zero_grad()
@@ -139,7 +141,7 @@ def test_a_metrics_port_in_use_is_an_error_on_both_sides(start_cluster) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         shard = subprocess.run(
-            [sys.executable, "-m", "shardps.server", "--shard-index", "0", "--num-shards", "1",
+            [sys.executable, "-m", "shardps.cli.server", "--shard-index", "0", "--num-shards", "1",
              "--metrics-port", str(port)], capture_output=True, text=True, timeout=60)
         assert shard.returncode == 1, shard.stderr[-2000:]
         assert f"could not bind the metrics endpoint 127.0.0.1:{port}" in shard.stderr
@@ -149,7 +151,8 @@ def test_a_metrics_port_in_use_is_an_error_on_both_sides(start_cluster) -> None:
         model = torch.nn.Linear(4, 2)
         with pytest.raises(RuntimeError, match=f"worker metrics endpoint 127.0.0.1:{port}"):
             DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                 servers=cluster.servers, metrics_port=port, metrics_host="127.0.0.1")
+                                 servers=cluster.servers,
+                                 observability=ObservabilityOptions(metrics_port=port, metrics_host="127.0.0.1"))
     client = ShardClient(cluster.addresses[0], index=0, connect_timeout=10.0)
     try:
         assert list(client.stats().members) == []  # the worker never joined

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardps.worker.config import ConsistencyOptions, WireOptions
+from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.session.client import ShardClient, ShardRpcError
-from shardps.worker.optimizer import DistributedOptimizer, mode_spec
 from tests.support.threads import run_workers
 
 STEPS = 12
@@ -40,8 +41,9 @@ def train(servers: str, worker: int, mode: str, staleness: int | None = None, st
     opt = (torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     starts, versions = [], []
-    with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{worker}", mode=mode,
-                              staleness=staleness, chunk_bytes=256, rpc_timeout=60) as dist:
+    with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{worker}",
+                              consistency=ConsistencyOptions(mode=mode, staleness=staleness),
+                              wire=WireOptions(chunk_bytes=256, rpc_timeout=60)) as dist:
         for step in range(steps):
             starts.append(time.monotonic())
             x, y = batch(step, worker)
@@ -72,32 +74,23 @@ def ssp_violations(starts: list[list[float]], s: int) -> list[tuple[int, int, in
     return bad
 
 
-def test_mode_arguments_are_checked() -> None:
-    with pytest.raises(ValueError, match="needs staleness"):
-        mode_spec("ssp", None, False)
-    with pytest.raises(ValueError, match="only applies to mode='ssp'"):
-        mode_spec("async", 2, False)
-    with pytest.raises(ValueError, match="must be 'sync', 'async' or 'ssp'"):
-        mode_spec("hogwild", None, False)
-    with pytest.raises(ValueError, match="sync rounds have no staleness"):
-        mode_spec("sync", None, True)
-    assert mode_spec("ssp", 0, False).staleness == 0
-
-
 def test_first_joiner_fixes_the_mode(start_cluster) -> None:
     cluster = start_cluster(2)
     model = make_model()
     with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                              servers=cluster.servers, worker_id="first", mode="ssp", staleness=2):
+                              servers=cluster.servers, worker_id="first",
+                              consistency=ConsistencyOptions(mode="ssp", staleness=2)):
         other = make_model()
         with pytest.raises(ShardRpcError) as info:
             DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(),
-                                 servers=cluster.servers, worker_id="second", mode="async")
+                                 servers=cluster.servers, worker_id="second",
+                                 consistency=ConsistencyOptions(mode="async"))
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "'async'" in str(info.value) and "'ssp s=2'" in str(info.value)
         with pytest.raises(ShardRpcError, match="'ssp s=3'.*'ssp s=2'"):
             DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(),
-                                 servers=cluster.servers, worker_id="third", mode="ssp", staleness=3)
+                                 servers=cluster.servers, worker_id="third",
+                                 consistency=ConsistencyOptions(mode="ssp", staleness=3))
         stats = cluster_stats(cluster)
         assert [list(s.members) for s in stats] == [["first"], ["first"]]  # the refused joins changed nothing
         assert stats[0].mode.mode == "ssp" and stats[0].mode.staleness == 2
@@ -173,8 +166,10 @@ def test_overlap_accumulation_and_scheduler_work_in_every_mode(start_cluster, mo
 
     model = make_model()
     opt, sched = recipe(model)
-    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers, worker_id="w0", mode=mode,
-                              staleness=staleness, model=model, backward_passes_per_step=2, chunk_bytes=256) as dist:
+    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers, worker_id="w0", model=model,
+                              backward_passes_per_step=2,
+                              consistency=ConsistencyOptions(mode=mode, staleness=staleness),
+                              wire=WireOptions(chunk_bytes=256)) as dist:
         for step in range(8):
             for micro in range(2):
                 x, y = batch(step, micro)
@@ -204,7 +199,8 @@ def test_async_push_of_a_future_version_is_refused_and_changes_nothing(start_clu
     cluster = start_cluster(1)
     model = make_model()
     with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-                              servers=cluster.servers, worker_id="w0", mode="async", chunk_bytes=256) as dist:
+                              servers=cluster.servers, worker_id="w0", consistency=ConsistencyOptions(mode="async"),
+                              wire=WireOptions(chunk_bytes=256)) as dist:
         x, y = batch(0, 0)
         nn.functional.cross_entropy(model(x), y).backward()
         dist.step()
@@ -233,8 +229,9 @@ def test_ssp_wait_past_its_limit_names_the_slowest_workers(start_cluster) -> Non
     cluster = start_cluster(1, extra_args=("--max-wait-seconds", "1.5"))
     models = [make_model(), make_model()]
     opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), m.named_parameters(),
-                                 servers=cluster.servers, worker_id=f"w{i}", mode="ssp", staleness=0,
-                                 chunk_bytes=256, rpc_timeout=20)
+                                 servers=cluster.servers, worker_id=f"w{i}",
+                                 consistency=ConsistencyOptions(mode="ssp", staleness=0),
+                                 wire=WireOptions(chunk_bytes=256, rpc_timeout=20))
             for i, m in enumerate(models)]
     try:
         x, y = batch(0, 0)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker import DistributedOptimizer
+from shardps.worker import DistributedOptimizer, WireOptions
 from shardps.worker.session.client import ShardClient
 from tests.support.procs import run_module, shard_stats
 from tests.support.raw import RawWorker, plan_and_spec
@@ -42,8 +42,8 @@ def train_one_step(servers: str) -> None:
     """One sync step of a tiny model, then leave: the shards hold a job at version 1 with bytes counted."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                              servers=servers, connect_timeout=10.0) as dist:
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), servers=servers,
+                              wire=WireOptions(connect_timeout=10.0)) as dist:
         dist.zero_grad()
         model(torch.randn(8, 4)).square().mean().backward()
         dist.step()

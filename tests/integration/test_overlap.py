@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import nn
 
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.threads import run_workers
 
@@ -53,7 +54,7 @@ def test_overlap_waits_for_parameters_read_without_a_module_call(start_cluster) 
         model = replicas[i]
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.addresses, worker_id=f"w{i}",
-                                  chunk_bytes=256, model=model) as dist:
+                                  model=model, wire=WireOptions(chunk_bytes=256)) as dist:
             for step in range(STEPS):
                 x, y = data(step)
                 part = slice(3 * i, 3 * i + 3)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
 from shardps.worker.session.client import ShardRpcError
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer, GradientEditedError
 from tests.support.forked import start_process
 from tests.support.procs import shard_stats
@@ -45,7 +46,7 @@ def make_opt(name: str, params) -> torch.optim.Optimizer:
 
 def distributed(opt, replica: nn.Module, servers: list[str], worker: int, **kwargs) -> DistributedOptimizer:
     return DistributedOptimizer(opt, replica.named_parameters(), servers=servers, worker_id=f"w{worker}",
-                                chunk_bytes=256, rpc_timeout=60.0, **kwargs)
+                                wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0), **kwargs)
 
 
 def assert_same(reference: nn.Module, replica: nn.Module, what: str = "") -> None:

@@ -196,12 +196,14 @@ class TwoKeys(nn.Module):
 def test_worker_raises_on_refused_rounds_and_on_diverged_shards(start_cluster) -> None:
     """What DistributedOptimizer does with refused rounds: a round every shard refused can be pushed again;
     a round that one shard refused and another applied makes every later step raise."""
+    from shardps.worker.config import WireOptions
     from shardps.worker.optimizer import DistributedOptimizer
 
     cluster = start_cluster(2)
     m = TwoKeys()
     opt = torch.optim.SGD(m.parameters(), lr=1e38)
-    with DistributedOptimizer(opt, m.named_parameters(), servers=cluster.addresses, chunk_bytes=64) as dist:
+    with DistributedOptimizer(opt, m.named_parameters(), servers=cluster.addresses,
+                              wire=WireOptions(chunk_bytes=64)) as dist:
         assert {c.key: c.shard for c in dist.plan.chunks} == {"a": 0, "b": 1}
         dist.zero_grad()
         (-(m.a.sum() + m.b.sum()) * 1e30).backward()  # both shards' updates overflow

@@ -21,6 +21,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import encode_round
 from shardps.common.security import ChannelSecurity
 from shardps.worker.session.client import ShardClient, ShardRpcError
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.forked import ForkedCluster, ForkedShard
 from tests.support.pki import TOKEN, Pki, make_pki
@@ -95,8 +96,8 @@ def run(model: nn.Module, optimizer) -> nn.Module:
 
 def train(addresses: list[str], security: ChannelSecurity) -> nn.Module:
     model, opt = make()
-    with DistributedOptimizer(opt, model.named_parameters(), servers=addresses, chunk_bytes=256,
-                              connect_timeout=10.0, security=security) as dist:
+    with DistributedOptimizer(opt, model.named_parameters(), servers=addresses,
+                              wire=WireOptions(chunk_bytes=256, connect_timeout=10.0, security=security)) as dist:
         run(model, dist)
         assert dist.version == STEPS
     return model

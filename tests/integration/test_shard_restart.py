@@ -202,7 +202,7 @@ def test_a_shard_down_past_the_retry_budget_fails_steps_until_it_is_back(start_c
     import grpc
     import torch
 
-    from shardps.worker import DistributedOptimizer
+    from shardps.worker import DistributedOptimizer, WireOptions
     from shardps.worker.session.client import ShardRpcError
 
     args = ("--checkpoint-dir", str(tmp_path), "--checkpoint-every-rounds", "1")
@@ -219,8 +219,8 @@ def test_a_shard_down_past_the_retry_budget_fails_steps_until_it_is_back(start_c
         return loss.item()
 
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model.named_parameters(),
-                               servers=cluster.servers, worker_id="w0", chunk_bytes=1024, retry_seconds=1.5,
-                               rpc_timeout=10.0)
+                               servers=cluster.servers, worker_id="w0",
+                               wire=WireOptions(chunk_bytes=1024, retry_seconds=1.5, rpc_timeout=10.0))
     try:
         assert min(opt.plan.shard_bytes()) > 0  # both shards hold parameters
         first = [step() for _ in range(3)]

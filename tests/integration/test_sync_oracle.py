@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.support.threads import run_workers
 
@@ -72,10 +73,9 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
     def worker(i: int) -> None:
         model = models[i]
         opt, sched = make_optimizer(name, model)
-        with DistributedOptimizer(
-            opt, model.named_parameters(), servers=servers, worker_id=f"w{i}", chunk_bytes=CHUNK_BYTES,
-            rpc_timeout=60.0, model=model if overlap else None,
-        ) as dist:
+        with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
+                                  model=model if overlap else None,
+                                  wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0)) as dist:
             for step in range(STEPS):
                 dist.zero_grad()
                 part = slice(i * per, (i + 1) * per)

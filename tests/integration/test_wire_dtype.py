@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 
 STEPS = 5
@@ -38,8 +39,8 @@ def reference() -> nn.Module:
 
 def train(servers: list[str], push: str, pull: str) -> nn.Module:
     model, opt = make()
-    with DistributedOptimizer(opt, model.named_parameters(), servers=servers, push_dtype=push, pull_dtype=pull,
-                              chunk_bytes=256) as dist:
+    with DistributedOptimizer(opt, model.named_parameters(), servers=servers,
+                              wire=WireOptions(push_dtype=push, pull_dtype=pull, chunk_bytes=256)) as dist:
         return run(model, dist)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardps.worker.config import ConsistencyOptions, WireOptions
 from shardps.worker.node.optimizer import NodeOptimizer
 from tests.integration.test_sync_oracle import BATCH, CHUNK_BYTES, STEPS, data, make_model, make_optimizer
 
@@ -39,7 +40,8 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
             model = make_model().to(device)
             opt, sched = make_optimizer(name.split(":")[0], model)
             with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
-                               chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, split=not name.endswith(":leader")) as node_opt:
+                               split=not name.endswith(":leader"),
+                               wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0)) as node_opt:
                 for step in range(STEPS):
                     node_opt.zero_grad()
                     xb, yb = x[step, part].to(device), y[step, part].to(device)
@@ -87,7 +89,8 @@ def leader_fails(i: int, dead_server: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/failing.rendezvous", rank=i, world_size=2)
     try:
-        _construct(f"{out}/failing-{i}.txt", servers=dead_server, connect_timeout=1.0, retry_seconds=1.0)
+        _construct(f"{out}/failing-{i}.txt", servers=dead_server,
+                   wire=WireOptions(connect_timeout=1.0, retry_seconds=1.0))
     finally:
         dist.destroy_process_group()
 
@@ -117,7 +120,7 @@ def _split_node(address: str, retry_seconds: float):
     opt, _ = make_optimizer("adamw", model)
     x, y = data()
     node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
-                             chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=retry_seconds)
+                             wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=10.0, retry_seconds=retry_seconds))
     return model, node_opt, x, y
 
 
@@ -240,8 +243,8 @@ def refused_rounds(i: int, address: str, out: str) -> None:
     try:
         model = TwoKeys()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0", chunk_bytes=64,
-                                 rpc_timeout=10.0, retry_seconds=2.0)
+        node_opt = NodeOptimizer(opt, model.named_parameters(), servers=address, node_id="node0",
+                                 wire=WireOptions(chunk_bytes=64, rpc_timeout=10.0, retry_seconds=2.0))
         for lr, loss in [(1e38, lambda: -(model.a.sum() + model.b.sum()) * 1e30),  # both shards overflow
                          (0.1, lambda: -(model.a.sum() + model.b.sum())),
                          (1e38, lambda: -model.b.sum() * 1e30),  # only b (shard 1) overflows
@@ -277,8 +280,8 @@ def async_nodes(i: int, address: str, out: str, mode: str) -> None:
         model = make_model()
         opt, sched = make_optimizer("adamw", model)
         with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
-                           chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, mode=mode,
-                           staleness=1 if mode == "ssp" else None) as node_opt:
+                           consistency=ConsistencyOptions(mode=mode, staleness=1 if mode == "ssp" else None),
+                           wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0)) as node_opt:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 for step in range(STEPS):

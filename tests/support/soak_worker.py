@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from shardps.worker.session.client import ShardRpcError
+    from shardps.worker.config import WireOptions
     from shardps.worker.optimizer import DistributedOptimizer
 
     deadline = time.monotonic() + a.time_limit
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     try:
         with DistributedOptimizer(opt, m.named_parameters(), servers=a.servers, worker_id=a.worker_id,
-                                  chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0, connect_timeout=a.connect_timeout,
-                                  retry_seconds=10.0) as dist:
+                                  wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
+                                                   connect_timeout=a.connect_timeout, retry_seconds=10.0)) as dist:
             emit(f"joined versions={','.join(map(str, dist.versions))} t={time.monotonic():.4f}")
             while min(dist.versions) < a.target_version and (a.max_steps <= 0 or step < a.max_steps):
                 if time.monotonic() > deadline:

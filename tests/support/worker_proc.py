@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardps.worker.session.client import ShardRpcError
+from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 
 BATCH = 12
@@ -53,8 +54,8 @@ def main() -> int:
     opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
     try:
         with DistributedOptimizer(opt, m.named_parameters(), servers=a.servers, worker_id=a.worker_id,
-                                  chunk_bytes=256, rpc_timeout=60.0, connect_timeout=a.connect_timeout,
-                                  retry_seconds=a.retry_seconds) as dist:
+                                  wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0, connect_timeout=a.connect_timeout,
+                                                   retry_seconds=a.retry_seconds)) as dist:
             print(f"joined version={dist.version} resumed={dist.resumed}", flush=True)
             if a.hold:
                 sys.stdin.readline()

@@ -63,9 +63,12 @@ import torch
 import torch.distributed as dist
 
 from shardps.proto import shardps_pb2 as pb
+from shardps.common.addresses import parse_servers
+from shardps.common.codec import FLOAT_DTYPES, wire_dtype
 from shardps.common.plan import PartitionPlan
 from shardps.worker.session.client import ShardClient
 from shardps.worker import optimizer_state as optimizer_state
+from shardps.worker.config import WireOptions, moved_keywords_error
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.session.recovery import rejoin_failed
 from shardps.worker.session.retry import RetryPolicy
@@ -73,6 +76,10 @@ from shardps.worker.node.shares import (NodeSession, ShardShare, all_gather, own
                                    shard_segments)
 
 log = logging.getLogger(__name__)
+
+#: The keywords a NodeOptimizer passes on to its leader's DistributedOptimizer.
+FORWARDED_KEYWORDS = frozenset({"broadcast_buffers", "backward_passes_per_step", "max_grad_norm", "norm_type",
+                                "consistency", "wire", "observability"})
 
 
 class NodeOptimizer:
@@ -99,14 +106,22 @@ class NodeOptimizer:
         split: push and pull by chunk ownership, every local rank its own shards
             (default: True unless ``max_grad_norm`` is given, which needs the
             leader path; see the module docstring). False: the leader alone.
-        **kwargs: passed to the leader's :class:`DistributedOptimizer` (``mode``,
-            ``staleness``, ``chunk_bytes``, wire dtypes, ``max_grad_norm``, timeouts...).
-            ``model`` (overlapped pulls), ``grad_scaler`` and ``push_during_backward``
-            are not supported here: the node pushes at ``step()``.
+        **kwargs: passed to the leader's :class:`DistributedOptimizer`: ``consistency``
+            (:class:`~shardps.worker.config.ConsistencyOptions`), ``wire``
+            (:class:`~shardps.worker.config.WireOptions`: every local rank opens its
+            channels with its timeouts, retries, message limit and TLS), ``observability``
+            (the leader's metrics), ``max_grad_norm``, ``norm_type``,
+            ``backward_passes_per_step``, ``broadcast_buffers``. ``model`` (overlapped
+            pulls), ``grad_scaler`` and ``push_during_backward`` are not supported here:
+            the node pushes at ``step()``.
 
     Raises:
         ValueError: unsupported arguments, parameters on several devices,
-            ``split=True`` with ``max_grad_norm``.
+            ``split=True`` with ``max_grad_norm``, bad shard addresses.
+        TypeError: a keyword neither this class nor ``DistributedOptimizer`` takes (one
+            that moved into an option group, such as ``mode=``, names the group).
+            Every ValueError and TypeError above is raised on every rank, before any
+            collective.
         RuntimeError: the leader failed to join the shards, or a rank could not reach
             its shards (raised on every rank).
     """
@@ -118,6 +133,15 @@ class NodeOptimizer:
         for name in ("model", "grad_scaler", "push_during_backward"):
             if name in kwargs:
                 raise ValueError(f"NodeOptimizer does not take {name}=: the node pushes at step() (see its docstring)")
+        if "worker_id" in kwargs:
+            raise TypeError("NodeOptimizer takes node_id= (the node's contributor id), not worker_id=")
+        unknown = [name for name in kwargs if name not in FORWARDED_KEYWORDS]
+        if unknown:
+            raise moved_keywords_error(unknown, where="NodeOptimizer")
+        servers = parse_servers(servers)
+        wire = kwargs.get("wire", WireOptions())
+        if not isinstance(wire, WireOptions):
+            raise TypeError(f"wire= takes a shardps.worker.config.WireOptions(...), got {type(wire).__name__}")
         if not dist.is_initialized():
             raise ValueError("NodeOptimizer needs torch.distributed initialised (the node's process group)")
         self.group = group
@@ -163,8 +187,7 @@ class NodeOptimizer:
         self._resumed = self.version > 0
         self._broadcast_state()
         if self.split:
-            self._setup_share(named_buffers, servers if not isinstance(servers, str) else
-                              [a for a in servers.split(",") if a], kwargs)
+            self._setup_share(named_buffers, servers, wire)
         # no rank's optimizer may step on its own. The leader's DistributedOptimizer routed its methods (and
         # restores them at close): only the advice changes. The other ranks keep their own state_dict (empty:
         # they never step)
@@ -174,13 +197,14 @@ class NodeOptimizer:
             self._routed = optimizer_state.redirect(optimizer, optimizer.state_dict, optimizer.load_state_dict,
                                                     wrapper="NodeOptimizer")
 
-    def _setup_share(self, named_buffers: list, servers: list[str], kwargs: dict) -> None:
+    def _setup_share(self, named_buffers: list, servers: list[str], wire: WireOptions) -> None:
         """The leader hands out the node's session; each rank connects to the shards it owns."""
         box = [None]
         if self.rank == 0:
             inner = self.inner
             box[0] = NodeSession(inner.worker_id, inner.session, inner.plan.to_proto().SerializeToString(),
-                                 inner._pull_code, inner._push_dtype, inner._checksum)
+                                 wire_dtype(inner.wire.pull_dtype), FLOAT_DTYPES[wire_dtype(inner.wire.push_dtype)],
+                                 inner.wire.checksum)
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
         node: NodeSession = box[0]
         plan = PartitionPlan.from_proto(pb.PlanSpec.FromString(node.plan))
@@ -193,16 +217,16 @@ class NodeOptimizer:
         error, failure, clients = "", None, {}
         try:
             if self.rank == 0:
-                clients = {s: self.inner._clients[s] for s in self._owned}
+                leader_clients = self.inner.clients
+                clients = {s: leader_clients[s] for s in self._owned}
             else:
-                retry = RetryPolicy(total_seconds=kwargs.get("retry_seconds", 60.0))
-                extra = {"max_message_bytes": kwargs["max_message_bytes"]} if "max_message_bytes" in kwargs else {}
+                retry = RetryPolicy(total_seconds=wire.retry_seconds)
                 for s in self._owned:
-                    clients[s] = ShardClient(servers[s], index=s, rpc_timeout=kwargs.get("rpc_timeout", 120.0),
-                                             connect_timeout=kwargs.get("connect_timeout", 30.0), retry=retry,
-                                             security=kwargs.get("security"), **extra)
+                    clients[s] = ShardClient(servers[s], index=s, rpc_timeout=wire.rpc_timeout,
+                                             connect_timeout=wire.connect_timeout, retry=retry,
+                                             security=wire.security, max_message_bytes=wire.max_message_bytes)
             self._share = ShardShare(node, plan, clients, dict(zip(self._names, self._params)), self._buffer_map,
-                                     kwargs.get("rpc_timeout", 120.0))
+                                     wire.rpc_timeout)
         except Exception as exc:  # told to every rank below
             error, failure = f"{type(exc).__name__}: {exc}", exc
             if self.rank != 0:  # the channels this rank opened before the failure (the leader's belong to inner)
@@ -312,11 +336,10 @@ class NodeOptimizer:
         """
         inner = self.inner
         try:
-            resync = bool(inner._recovery.restarted)
-            inner._finish_pull()  # rejoins the shards the heartbeats found restarted (pulls them into the model)
-            if inner._diverged or inner._leases.lost:
-                raise RuntimeError(inner._diverged or inner._leases.lost)
-            trailer = inner._trailer(inner._round_lrs(), absent)
+            resync = bool(inner.recovery.restarted)
+            inner.synchronize()  # rejoins the shards the heartbeats found restarted (pulls them into the model)
+            inner.check_healthy()
+            trailer = inner.round_trailer(absent)
             return "", list(inner.versions), trailer.SerializeToString(), resync
         except Exception as exc:
             self._failure = exc

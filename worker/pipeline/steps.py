@@ -52,8 +52,7 @@ class RoundSteps:
         """Start one PushPull stream per shard (first gradient hook of a step). Caller holds ``_lock``."""
         if self._round is None:
             self._finish_pull(rejoin=False)  # blocking wait, normally a no-op: the forward already waited
-            if self._diverged or self._leases.lost:
-                raise RuntimeError(self._diverged or self._leases.lost)
+            self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
             rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
             for shard, client in enumerate(self._clients):
                 requests = push_requests(self._header(self.versions[shard]), shard, self._push_dtype,

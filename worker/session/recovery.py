@@ -176,8 +176,10 @@ def rejoin_failed(inner, received: list[int], everyone: list[tuple[int, int, str
     A shard still unreachable past the retry budget is rejoined between the
     next steps; any other failure on a round that other shards applied
     leaves the partitions at different versions: the job is marked
-    diverged, as ``DistributedOptimizer`` does. Never raises (every local
-    rank waits for its answer); updates ``inner.versions``.
+    diverged (``inner.mark_diverged``), as ``DistributedOptimizer`` does. Never
+    raises (every local rank waits for its answer); updates ``inner.versions``.
+    Uses only ``inner``'s interface for a node leader (``versions``,
+    ``recovery``, ``mark_diverged``).
 
     Args:
         received: each shard's new version, -1 where it failed.
@@ -192,7 +194,7 @@ def rejoin_failed(inner, received: list[int], everyone: list[tuple[int, int, str
     for r, s, code, m in everyone:
         try:
             why = f"{code} in a round pushed by local rank {r} ({m[:200]})"
-            outcome, value = inner._recovery.recover_one(s, grpc.StatusCode[code] if code else None, why)
+            outcome, value = inner.recovery.recover_one(s, grpc.StatusCode[code] if code else None, why)
         except Exception as exc:  # e.g. the shard came back without the job's state
             outcome, value = "other", exc
         if outcome == "rejoined":
@@ -206,5 +208,5 @@ def rejoin_failed(inner, received: list[int], everyone: list[tuple[int, int, str
     inner.versions = versions
     applied = {s: v for s, v in enumerate(received) if v >= 0}
     if other and applied:
-        inner._diverged = divergence(applied, other[0][0], other[0][1], versions)
+        inner.mark_diverged(divergence(applied, other[0][0], other[0][1], versions))
     return versions, left, rejoined
