@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch import nn
 
-from shardps.worker import DistributedOptimizer
+from shardps import DistributedOptimizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--servers", required=True, help="host:port,... of the shards, in shard order")

@@ -53,7 +53,7 @@ import time
 import torch
 from torch import nn
 
-from shardps.worker import DistributedOptimizer, WireOptions
+from shardps import DistributedOptimizer, WireOptions
 from shardps.apps.digits import DigitsConfig, learning_rate, load_split, make_model, steps_per_epoch, total_steps
 
 
