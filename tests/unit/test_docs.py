@@ -337,8 +337,8 @@ def allowed_keywords(name: str, obj: object) -> set[str] | None:
     """The keywords a public callable takes by name; None when it takes any."""
     params = inspect.signature(obj).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if name == "NodeOptimizer":  # its **kwargs go to DistributedOptimizer
-        return named | allowed_keywords("DistributedOptimizer", resolve("shardps.DistributedOptimizer"))
+    if name == "NodeOptimizer":  # its **kwargs go to DistributedOptimizer: those it forwards
+        return named | set(resolve("shardps.worker.node.optimizer.FORWARDED_KEYWORDS"))
     if any(p.kind == p.VAR_KEYWORD for p in params) and name != "DistributedOptimizer":
         return None  # DistributedOptimizer's **legacy only names the option group a moved keyword belongs to
     return named
