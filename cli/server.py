@@ -29,7 +29,8 @@ from shardps.server.store import ShardStore
 log = logging.getLogger("shardps.server")
 
 
-def parse_args(argv: list[str] | None = None) -> ShardConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardps-server`` argument parser (docs/configuration.md lists every flag; a test checks it)."""
     d = ShardConfig
     p = argparse.ArgumentParser(prog="shardps-server", description="Run one shardps shard.")
     p.add_argument("--version", action="version", version=f"shardps-server {shardps_version()}")
@@ -83,7 +84,17 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
                    help="PEM CA certificate: require client certificates signed by it (mutual TLS)")
     o.add_argument("--auth-token-file", default="",
                    help="file holding a bearer token every shardps call must carry (health is not checked)")
-    a = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ShardConfig:
+    """``shardps-server``'s flags as a checked :class:`ShardConfig`.
+
+    Raises:
+        SystemExit: a flag is missing or malformed (argparse prints the usage), or
+            the values do not make a valid ``ShardConfig`` (the message names the fix).
+    """
+    a = build_parser().parse_args(argv)
     budget = {} if a.memory_budget_bytes is None else {"memory_budget_bytes": a.memory_budget_bytes}
     try:
         return ShardConfig(

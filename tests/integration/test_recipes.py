@@ -221,9 +221,16 @@ def test_batchnorm_buffers_follow_ddp(servers, tmp_path) -> None:
     """Compared with real DDP (2 Gloo ranks, broadcast_buffers=True): parameters and rank 0's buffers."""
     processes = [start_process(ddp_rank, (r, WORKERS, str(tmp_path / "init"), str(tmp_path / f"ddp{r}.pt"), STEPS))
                  for r in range(WORKERS)]
+    deadline = time.monotonic() + 180
     for p in processes:
-        p.join(timeout=120)
-    assert [p.exitcode for p in processes] == [0] * WORKERS, "a DDP reference rank failed"
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    saved = [(tmp_path / f"ddp{r}.pt").exists() for r in range(WORKERS)]
+    for p, done in zip(processes, saved):
+        if p.exitcode is None and done:  # its state is saved whole; it hangs in Gloo's teardown (seen under load)
+            p.terminate()
+            p.join(10)
+    assert all(saved) and all(p.exitcode in (0, -15) for p in processes), (
+        f"a DDP reference rank failed: exit codes {[p.exitcode for p in processes]}, saved {saved}")
     reference = Net(batch_norm=True)
     reference.load_state_dict(torch.load(tmp_path / "ddp0.pt"))
 

@@ -10,6 +10,8 @@ batch, i.e. worker 1's rows (step % 4 == 2).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as torch_dist
 from torch import nn
@@ -82,6 +84,7 @@ def ddp_rank(rank: int, world: int, init_file: str, out: str, steps: int) -> Non
             opt.zero_grad()
             loss_of(ddp, step, part(rank, world)).backward()
             opt.step()
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".partial")
+        os.replace(out + ".partial", out)  # the file exists only once it is whole
     finally:
         torch_dist.destroy_process_group()

@@ -27,7 +27,7 @@ The rule, per shard (each shard decides alone; no worker is ever restarted):
   versions are recorded), and every later step tries to rejoin it again at
   its end, raising while it is down, until it is back.
 
-The heartbeat thread (``lease.py``) tells a restarted shard from a lost
+The heartbeat thread (``leases.py``) tells a restarted shard from a lost
 membership by the incarnation in the shard's Stats, and records the shard
 in :attr:`Recovery.restarted`: the training thread rejoins it between two
 steps (never while backward runs).
