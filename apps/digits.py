@@ -145,6 +145,17 @@ def steps_per_epoch(config: DigitsConfig) -> int:
     return n_train // global_batch
 
 
+def epoch_of(config: DigitsConfig, version: int, local_steps: int) -> int:
+    """The epoch (1-based, at most ``config.epochs``) a worker is in after ``local_steps`` of its own steps.
+
+    Sync: every round is one global batch, so the shards' ``version`` counts the
+    job's steps. Async/ssp: the version counts every worker's pushes, so a
+    worker's epoch follows its own step counter.
+    """
+    steps = version if config.mode == "sync" else local_steps
+    return min(steps // steps_per_epoch(config) + 1, config.epochs)
+
+
 def total_steps(config: DigitsConfig) -> int:
     """The shards' version at which every worker stops.
 
@@ -326,9 +337,10 @@ def _worker(process: int, config: DigitsConfig, result_path: str) -> None:
     bar = tqdm(total=total_steps(config), desc="train digits", unit="step",
                disable=process != 0 or not config.progress)
 
-    def progress(_: int, version: int, loss: float) -> None:
+    def progress(local_steps: int, version: int, loss: float) -> None:
         bar.update(version - bar.n)
-        bar.set_postfix(epoch=version // steps_per_epoch(config) + 1, loss=f"{loss:.4f}", refresh=False)
+        bar.set_postfix(epoch=f"{epoch_of(config, version, local_steps)}/{config.epochs}", loss=f"{loss:.4f}",
+                        refresh=False)
 
     try:
         result = train_worker(config, index, on_step=progress, local_rank=local_rank)

@@ -26,12 +26,15 @@ shardps_worker_info{version}        gauge      1; the software version
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from shardps.common.version import shardps_version
+
+log = logging.getLogger(__name__)
 
 #: Step, push and pull durations, seconds.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -134,7 +137,9 @@ class WorkerMetrics:
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
             raise RuntimeError(f"could not bind the worker metrics endpoint {host}:{port}: {exc}") from None
-        return self._server.server_port
+        port = self._server.server_port
+        log.info("worker metrics served on http://%s:%d/metrics", host, port)
+        return port
 
     def close(self) -> None:
         """Stop the HTTP endpoint, if one was started (the metrics stay readable in ``registry``)."""
