@@ -227,3 +227,13 @@ def moved_keywords_error(names: Iterable[str], where: str = "DistributedOptimize
     if unknown:
         parts.append(f"{where}() got unexpected keyword argument(s) {', '.join(repr(n) for n in unknown)}")
     return TypeError("; ".join(parts))
+
+
+def node_refusal(name: str) -> str:
+    """Why ``NodeOptimizer`` refuses the keyword ``name`` (``model``, ``grad_scaler``, ``push_during_backward``), and
+    what to use instead (the ``ValueError`` message, raised on every local rank before any collective)."""
+    if name == "grad_scaler":
+        return ("NodeOptimizer does not take grad_scaler= (AMP loss scaling with reduction within a node: the node's "
+                "ranks would each have to learn one found-inf verdict): use DistributedOptimizer(grad_scaler=) per rank, "
+                "or bf16 autocast (which needs no GradScaler)")
+    return f"NodeOptimizer does not take {name}=: the node pushes at step() (see its docstring)"

@@ -36,7 +36,8 @@ from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.worker import optimizer_state as optimizer_state
 from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions, moved_keywords_error
 from shardps.worker.session.client import ShardClient, ShardRpcError
-from shardps.worker.pipeline.commit import RoundOptions, await_decision
+from shardps.worker.pipeline.commit import RoundOptions, await_decision, record_found_inf
+from shardps.worker.pipeline.own import OwnGradient
 from shardps.worker.session.join import JoinPlan, join_job
 from shardps.worker.session.recovery import Recovery
 from shardps.worker.session.retry import RetryPolicy
@@ -95,12 +96,18 @@ class DistributedOptimizer(RoundSteps):
         max_grad_norm: clip the averaged gradient to this total norm over the
             whole model before the update, exactly as ``clip_grad_norm_`` after
             DDP's averaging (do not call ``clip_grad_norm_`` yourself). The norm of
-            each step is ``last_grad_norm``.
+            each step is ``last_grad_norm``. In async and ssp modes each push is
+            applied alone, so this worker clips its own gradient before pushing it
+            (``shardps.worker.pipeline.own``; pushed at ``step()``, not from hooks).
         norm_type: the norm's order for ``max_grad_norm`` (2.0; ``inf`` allowed).
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled loss you backward.
             The shards unscale the averaged gradient, skip the update on every
             shard if it is not finite, and ``scaler.update()`` sees the same
-            verdict on every worker. Call ``dist.step()``, not ``scaler.step``.
+            verdict on every worker. Call ``dist.step()``, not ``scaler.step``. In
+            async and ssp modes this worker unscales and checks its own gradient
+            and on Inf/NaN skips its step alone (an empty push:
+            ``shardps.worker.pipeline.own``). ``scaler.unscale_``/``scaler.step`` on
+            this wrapper or the optimizer it wraps raise, naming this argument.
         push_during_backward: push each gradient from its hook while backward
             runs (default). With False, everything is pushed at ``step()``, so
             gradients may be edited freely in between (no overlap).
@@ -167,6 +174,9 @@ class DistributedOptimizer(RoundSteps):
         self._consistency, self._wire, self._observability = consistency, wire, observability
         self.mode = consistency.to_proto()
         self._options = RoundOptions(max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scaler=grad_scaler)
+        # async/ssp apply each push alone: this worker clips and unscales its own gradient (pipeline/own.py)
+        self._own = OwnGradient(self._options) if consistency.mode != "sync" and self._options.needs_commit else None
+        self._pushed_options = RoundOptions() if self._own is not None else self._options
         named = list(named_parameters)
         for name, p in named:
             if not p.is_floating_point() or not p.is_contiguous():
@@ -239,7 +249,7 @@ class DistributedOptimizer(RoundSteps):
         except BaseException:
             self.close()
             raise
-        if push_during_backward:
+        if push_during_backward and self._own is None:  # (own gradients are pushed whole, at step())
             for p in self._params.values():
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -295,10 +305,20 @@ class DistributedOptimizer(RoundSteps):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._start_pull()
+        own = self._own
+        self._start_pull(None if own is None else own.prepare({k: p.grad for k, p in self._params.items()}))
         rnd = self._pulling
         if rnd.decide is not None:
             self.last_step_skipped = await_decision(rnd, self._options, self._optimizer, self._finish_pull)
+        if own is not None:  # async/ssp with clipping or a GradScaler: this worker decided alone
+            self.last_grad_norm, self.last_step_skipped = own.norm, own.skipped
+            if self._options.scaled:
+                record_found_inf(self._options.grad_scaler, self._optimizer, own.skipped)
+            elif own.skipped:
+                self._finish_pull()
+                raise RuntimeError(f"this worker's gradient is not finite (total norm {own.norm}): its step was "
+                                   "skipped (an empty push); lower the learning rate or the loss, or train with a "
+                                   "GradScaler")
         if self._waits is None:
             self._finish_pull()
         self.metrics.step_finished()

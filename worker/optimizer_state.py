@@ -17,6 +17,7 @@ parameter's shape and are fp32 (the shards' precision); ``step`` is a
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +54,48 @@ def refusing_step(wrapper: str = ""):
     return step
 
 
+#: The GradScaler method that reads an optimizer's ``param_groups`` to unscale its gradients in place (``unscale_``,
+#: and ``step`` through it). Recognised by name: the guard below never calls it.
+_SCALER_UNSCALES = "_unscale_grads_"
+
+
+class GuardedGroups(list):
+    """A wrapped optimizer's ``param_groups`` (the same dicts) that a ``GradScaler`` may not unscale.
+
+    ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` (which unscales first)
+    iterate ``opt.param_groups`` and unscale every ``p.grad`` in place, one
+    worker at a time; then ``clip_grad_norm_`` would clip each worker's own
+    gradient and a worker that found Inf would skip a round the others run.
+    None of that is what the shards do (the supported ``grad_scaler=`` path
+    unscales and clips the averaged gradient and skips on every worker
+    alike), so the first such call raises instead, before any gradient
+    changed. Everything else (LR schedulers, ``zero_grad``, the wrapper)
+    iterates it as the plain list it is. The same guard covers the wrapper,
+    whose ``param_groups`` is this list.
+    """
+
+    advice = ""
+
+    def __iter__(self):
+        caller = inspect.currentframe().f_back
+        if (caller is not None and caller.f_code.co_name == _SCALER_UNSCALES
+                and isinstance(caller.f_locals.get("self"), torch.amp.GradScaler)):
+            raise RuntimeError(self.advice)
+        return super().__iter__()
+
+
+def scaler_advice(wrapper: str) -> str:
+    """What ``scaler.unscale_(x)`` / ``scaler.step(x)`` raise for an optimizer wrapped by ``wrapper``."""
+    if wrapper:
+        return (f"GradScaler.unscale_/step on an optimizer wrapped by a {wrapper}: its shards run the update, and "
+                f"a {wrapper} takes no grad_scaler=; use DistributedOptimizer(..., grad_scaler=scaler) on every rank, "
+                "or bf16 autocast (no GradScaler)")
+    return ("GradScaler.unscale_/step on a DistributedOptimizer or the optimizer it wraps: the shards run the update, "
+            "so a scaler cannot unscale or step it here (each worker would unscale, clip and skip on its own, unlike "
+            "one process). Pass DistributedOptimizer(..., grad_scaler=scaler) (and max_grad_norm=... instead of "
+            "clip_grad_norm_), then: scaler.scale(loss).backward(); dist.step(); scaler.update()")
+
+
 def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrapper: str = "") -> dict:
     """Replace the wrapped optimizer's ``state_dict``/``load_state_dict`` by the given ones; make its ``step`` raise.
 
@@ -61,7 +104,9 @@ def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrap
     update the model locally, behind the shards' back, so code that calls
     ``opt.state_dict()`` or ``scaler.step(opt)`` must not silently do either.
     A NodeOptimizer's other local ranks keep their own methods and only
-    lose ``step`` (:func:`refusing_step` with ``wrapper``).
+    lose ``step`` (:func:`refusing_step` with ``wrapper``). Its ``param_groups``
+    become a :class:`GuardedGroups` (same dicts), so that ``scaler.unscale_``
+    and ``scaler.step`` raise at once instead of unscaling behind the shards' back.
 
     Returns:
         What :func:`restore` needs to undo this (the instance attributes replaced).
@@ -69,11 +114,24 @@ def redirect(optimizer: torch.optim.Optimizer, state_dict, load_state_dict, wrap
     saved = {name: optimizer.__dict__[name] for name in _ROUTED if name in optimizer.__dict__}
     optimizer.state_dict, optimizer.load_state_dict = state_dict, load_state_dict
     optimizer.step = refusing_step(wrapper)
+    groups = optimizer.param_groups
+    if not isinstance(groups, GuardedGroups):
+        guarded = GuardedGroups(groups)
+        guarded.advice = scaler_advice(wrapper)
+        saved["param_groups"] = (groups, guarded)
+        optimizer.param_groups = guarded
     return saved
 
 
 def restore(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Undo :func:`redirect`: the optimizer's own methods (or what was patched before) come back."""
+    """Undo :func:`redirect`: the optimizer's own methods (or what was patched before) come back, and its own
+    ``param_groups`` list (holding any group added meanwhile)."""
+    saved = dict(saved)
+    groups = saved.pop("param_groups", None)
+    if groups is not None:
+        own, guarded = groups
+        own[:] = list.__iter__(guarded)  # (list's own iteration: no guard)
+        optimizer.param_groups = own
     for name in _ROUTED:
         optimizer.__dict__.pop(name, None)
     optimizer.__dict__.update(saved)

@@ -70,6 +70,20 @@ class Mode:
         extra = f" s={self.staleness}" if self.name == "ssp" else ""
         return f"{self.name}{extra}{' with staleness-scaled lr' if self.scale_lr else ''}"
 
+    def check_commit(self, what: str, needs_commit: bool) -> None:
+        """An async/ssp push is applied alone, at once: it cannot wait for a report/commit exchange.
+
+        Workers clip and unscale their own gradient there (``shardps.worker.pipeline.own``); a
+        push that asks the shards to (an older worker) is refused instead of stalling the shard.
+
+        Raises:
+            InvalidArgument: ``needs_commit`` (a trailer with ``max_grad_norm`` or ``inv_scale``) outside sync.
+        """
+        if needs_commit and not self.synchronous:
+            raise InvalidArgument(f"{what}: in {self.name} mode each push is applied on its own; the worker clips "
+                                  "and unscales its own gradient and pushes it without max_grad_norm or inv_scale "
+                                  "(update the worker)")
+
     def check_same(self, other: "Mode") -> None:
         """A later joiner must train in the job's mode.
 

@@ -14,7 +14,7 @@ keys nobody had a gradient for are not stepped at all. The lowest worker
 id's trailer and buffers are the round's (every worker's should agree; the
 rule makes the result deterministic when they do not).
 
-Rounds that clip or scale need one number from every shard: the shard
+Sync rounds that clip or scale need one number from every shard: the shard
 averages and unscales, sends each member a :class:`pb.RoundReport` (its part
 of the norm, whether it found Inf/NaN), and waits for every member's
 :class:`pb.RoundCommit` (skip, clip coefficient), which all must agree. So
@@ -229,6 +229,7 @@ class Rounds:
             FailedPrecondition: a round other than the open one.
             InvalidArgument: bad frames or trailer, missing chunks, NaN/Inf gradients
                 (nothing changed); or the round this push completed was refused.
+                An async/ssp push that asks the shards to clip or scale (workers do that).
             Aborted: another push of this member is in flight, the round is being
                 applied, or it closed without this push (the member left).
         """
@@ -278,6 +279,7 @@ class Rounds:
             if (trailer.inv_scale or trailer.max_grad_norm) and not can_commit:
                 raise InvalidArgument(f"{what}: a round that clips or scales needs PushPull (it exchanges a report "
                                       "and a commit)")
+            self.mode.check_commit(what, bool(trailer.inv_scale or trailer.max_grad_norm))
             if trailer.inv_scale and not header.scaled:
                 raise InvalidArgument(f"{what}: inv_scale is set but the round header does not say 'scaled'")
             received = rx.finish(trailer.absent_keys)

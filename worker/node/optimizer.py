@@ -68,7 +68,7 @@ from shardps.common.codec import FLOAT_DTYPES, wire_dtype
 from shardps.common.plan import PartitionPlan
 from shardps.worker.session.client import ShardClient
 from shardps.worker import optimizer_state as optimizer_state
-from shardps.worker.config import WireOptions, moved_keywords_error
+from shardps.worker.config import WireOptions, moved_keywords_error, node_refusal
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.session.recovery import rejoin_failed
 from shardps.worker.session.retry import RetryPolicy
@@ -132,7 +132,7 @@ class NodeOptimizer:
                  **kwargs) -> None:
         for name in ("model", "grad_scaler", "push_during_backward"):
             if name in kwargs:
-                raise ValueError(f"NodeOptimizer does not take {name}=: the node pushes at step() (see its docstring)")
+                raise ValueError(node_refusal(name))
         if "worker_id" in kwargs:
             raise TypeError("NodeOptimizer takes node_id= (the node's contributor id), not worker_id=")
         unknown = [name for name in kwargs if name not in FORWARDED_KEYWORDS]

@@ -11,6 +11,9 @@ In sync mode a push carries round ``r`` (the version the worker holds) and
 comes back with version ``r + 1``; in async and ssp modes it comes back with
 the newest version once this push is applied (and, in ssp, once the slowest
 live worker is close enough), so the versions received are only ``> r``.
+There, with clipping or a GradScaler, the worker pushes at ``step()`` its own
+gradient, unscaled and clipped by itself (``own.py``), and the trailer asks
+the shards for neither (``_pushed_options``: no report, no commit).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class RoundSteps:
     def _header(self, round_: int = 0) -> pb.RoundHeader:
         return pb.RoundHeader(worker_id=self.worker_id, session=self.session, round=round_,
                               plan_fingerprint=self.plan.fingerprint, pull_dtype=self._pull_code,
-                              scaled=self._options.scaled)
+                              scaled=self._pushed_options.scaled)
 
     def _init_frames(self, shard: int):
         return init_requests(self._header(), self.plan, shard, self._params, self._buffers)
@@ -53,7 +56,8 @@ class RoundSteps:
         if self._round is None:
             self._finish_pull(rejoin=False)  # blocking wait, normally a no-op: the forward already waited
             self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
-            rnd = Round(len(self._clients), self._chunk_counts, self._decide if self._options.needs_commit else None)
+            decide = self._decide if self._pushed_options.needs_commit else None
+            rnd = Round(len(self._clients), self._chunk_counts, decide)
             for shard, client in enumerate(self._clients):
                 requests = push_requests(self._header(self.versions[shard]), shard, self._push_dtype,
                                          self._checksum, rnd, self._rpc_timeout)
@@ -102,10 +106,14 @@ class RoundSteps:
         """The trailer closing a round: ``lrs``, the hyperparameters changed since the last round, the absent keys
         (indices into the plan's keys) and the clipping / loss-scale fields."""
         return pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(), absent_keys=absent,
-                               **self._options.trailer_fields())
+                               **self._pushed_options.trailer_fields())
 
-    def _start_pull(self) -> None:
-        """Close this round's pushes (trailer included) and start reading every shard's answer in the background."""
+    def _start_pull(self, grads: dict[str, torch.Tensor | None] | None = None) -> None:
+        """Close this round's pushes (trailer included) and start reading every shard's answer in the background.
+
+        ``grads``: what to push instead of each ``p.grad`` not pushed yet (``{key: tensor or None}``;
+        ``OwnGradient.prepare``'s unscaled and clipped copies in async/ssp); None: the ``.grad`` tensors.
+        """
         lrs = self._round_lrs()
         with self._lock:
             rnd = self._open_round()
@@ -117,10 +125,11 @@ class RoundSteps:
             absent = []
             for key, p in self._params.items():
                 if key not in rnd.pushed:
-                    if p.grad is None:
+                    grad = p.grad if grads is None else grads[key]
+                    if grad is None:
                         absent.append(self._index[key])  # torch.optim skips it; so do the shards
                     else:
-                        self._enqueue(rnd, key, p.grad)
+                        self._enqueue(rnd, key, grad)
             for key, b in self._buffers.items():
                 flat = b.detach().to("cpu").reshape(-1).clone()  # the next forward may change it while it is sent
                 for c in self._chunks_of.get(key, ()):
