@@ -196,6 +196,7 @@ def train_worker(
     wait_for_workers: float = 0.0,
     on_join: Callable[[int, bool, list[str]], None] | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
     local_rank: int = 0,
     group=None,
 ) -> dict:
@@ -226,6 +227,7 @@ def train_worker(
             default) starts at once. Nothing is refused when the time runs out.
         on_join: called once joined, before any wait, with ``(version, resumed, members)``.
         on_step: called after every step with ``(steps this process ran, shards' version, loss)``.
+        on_wait: called with one sentence when a step has waited over 2 s, saying what for (the progress bar shows it).
         local_rank, group: with ``config.local_ranks > 1``, this process's rank in its
             node and the node's ``torch.distributed`` group (initialised by the caller;
             None: the default group). The node joins as one contributor
@@ -269,10 +271,9 @@ def train_worker(
                    wire=WireOptions(chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
                                     pull_dtype=config.pull_dtype, connect_timeout=connect_timeout,
                                     rpc_timeout=rpc_timeout, security=config.security))
-    if config.metrics_port is not None:
-        process = slot  # index * local_ranks + local_rank
-        options["observability"] = ObservabilityOptions(
-            metrics_port=config.metrics_port + process if config.metrics_port else 0)
+    metrics_port = None if config.metrics_port is None else config.metrics_port + slot if config.metrics_port else 0
+    if metrics_port is not None or on_wait is not None:
+        options["observability"] = ObservabilityOptions(metrics_port=metrics_port, on_wait=on_wait)
     if config.local_ranks > 1:
         wrapper = NodeOptimizer(optimizer, model.named_parameters(), node_id=worker_id, group=group, **options)
     else:
@@ -342,8 +343,12 @@ def _worker(process: int, config: DigitsConfig, result_path: str) -> None:
         bar.set_postfix(epoch=f"{epoch_of(config, version, local_steps)}/{config.epochs}", loss=f"{loss:.4f}",
                         refresh=False)
 
+    def waiting(sentence: str) -> None:  # from the optimizer's wait watcher, after 2 s of waiting
+        bar.set_postfix_str(f"waiting: {sentence}")
+
     try:
-        result = train_worker(config, index, on_step=progress, local_rank=local_rank)
+        result = train_worker(config, index, on_step=progress, on_wait=waiting if process == 0 else None,
+                              local_rank=local_rank)
     finally:
         bar.close()
     if process == 0:

@@ -171,6 +171,11 @@ class ObservabilityOptions:
             to (default: a fresh one per optimizer).
         on_membership_change: called with the member ids (from a background
             thread) when workers join, leave or are dropped at lease expiry.
+        on_wait: called with one sentence (from a background thread) when a
+            step has waited over 2 s, saying what for: members that have not
+            pushed and when their lease runs out, ``--min-workers``, ssp's
+            slowest worker, a shard that does not answer. The same sentence is
+            logged at INFO either way (``shardps.worker.session.waits``).
 
     Raises:
         ValueError: a port outside [0, 65535], an empty host, a registry or
@@ -181,6 +186,7 @@ class ObservabilityOptions:
     metrics_host: str = "0.0.0.0"
     metrics_registry: CollectorRegistry | None = None
     on_membership_change: Callable[[list[str]], None] | None = None
+    on_wait: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 <= self.metrics_port <= 65535):
@@ -194,6 +200,9 @@ class ObservabilityOptions:
         if self.on_membership_change is not None and not callable(self.on_membership_change):
             raise ValueError("on_membership_change must be callable (it is called with the member ids) or None, got "
                              f"{type(self.on_membership_change).__name__}")
+        if self.on_wait is not None and not callable(self.on_wait):
+            raise ValueError(f"on_wait must be callable (it is called with a sentence) or None, got "
+                             f"{type(self.on_wait).__name__}")
 
 
 #: The keywords ``DistributedOptimizer`` took before the option groups -> the group that holds them now.

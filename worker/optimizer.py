@@ -34,6 +34,7 @@ from shardps.common.optim import optimizer_spec
 from shardps.common.addresses import parse_servers
 from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.worker import optimizer_state as optimizer_state
+from shardps.worker.job import JobView
 from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions, moved_keywords_error
 from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.pipeline.commit import RoundOptions, await_decision, record_found_inf
@@ -43,6 +44,7 @@ from shardps.worker.session.recovery import Recovery
 from shardps.worker.session.retry import RetryPolicy
 from shardps.worker.pipeline.overlap import ForwardWaits
 from shardps.worker.session.leases import Leases
+from shardps.worker.session.waits import WaitWatcher
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
 from shardps.worker.pipeline.steps import RoundSteps
@@ -58,7 +60,7 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class DistributedOptimizer(RoundSteps):
+class DistributedOptimizer(RoundSteps, JobView):
     """Run ``optimizer``'s updates on the shards (sync, async or ssp), with torch.optim's semantics.
 
     The common case is one line::
@@ -224,6 +226,12 @@ class DistributedOptimizer(RoundSteps):
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
+        self._watcher: WaitWatcher | None = None
+        self._job_id = ""
+        # state loaded into the wrapped optimizer before wrapping: carried to the shards after joining
+        # (JobView._carry_initial_state); the local optimizer itself never holds state
+        saved = optimizer.state_dict() if optimizer.state else None
+        optimizer.state.clear()
         try:
             if observability.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(observability.metrics_host, observability.metrics_port)
@@ -243,11 +251,12 @@ class DistributedOptimizer(RoundSteps):
             self._leases = Leases(self._clients, self.worker_id, self.session, joined.lease_seconds,
                                   observability.on_membership_change, self._recovery)
             self.resumed = min(self.versions) > 0
-            if self.resumed:
-                log.warning("worker %s resumes the job the shards hold, at version %d (not from its own "
-                            "parameters); `shardps reset` clears idle shards", self.worker_id, min(self.versions))
+            self._job_id = joined.job_id
+            self._announce_join(joined.initialised)
+            self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
+                                        lease_seconds=joined.lease_seconds, on_wait=observability.on_wait)
         except BaseException:
-            self.close()
+            self._close_refused(saved)
             raise
         if push_during_backward and self._own is None:  # (own gradients are pushed whole, at step())
             for p in self._params.values():
@@ -257,6 +266,11 @@ class DistributedOptimizer(RoundSteps):
             tensors = {id(t): k for k, t in (*self._params.items(), *self._buffers.items())}
             self._waits = ForwardWaits(model, tensors, lambda: self._pulling, self._finish_pull, wire.rpc_timeout)
         self._routed = optimizer_state.redirect(optimizer, self.state_dict, self.load_state_dict)
+        try:
+            self._carry_initial_state(saved, joined.initialised)
+        except BaseException:
+            self._close_refused(saved)
+            raise
 
     # ------------------------------------------------------------ public API
     @property
@@ -373,20 +387,6 @@ class DistributedOptimizer(RoundSteps):
         optimizer_state.load(self._clients, self._pool, self._header(), self.plan, self._optimizer, self._params,
                              state_dict)
 
-    def stats(self) -> list[pb.StatsReply]:
-        """Each shard's Stats reply, in shard order."""
-        return [c.stats() for c in self._clients]
-
-    @property
-    def members(self) -> list[str]:
-        """The job's member ids (averaging order), as shard 0 reported them at the last heartbeat."""
-        return list(self._leases.members) if self._leases else []
-
-    @property
-    def membership_epoch(self) -> int:
-        """Changes whenever a worker joins, leaves or is dropped (shard 0's count; -1 before the first heartbeat)."""
-        return self._leases.epoch if self._leases else -1
-
     @property
     def consistency(self) -> ConsistencyOptions:
         """The consistency options this optimizer joined with (``shardps.worker.config``)."""
@@ -459,10 +459,19 @@ class DistributedOptimizer(RoundSteps):
         """
         return self._trailer(self._round_lrs(), absent)
 
+    def _close_refused(self, saved: dict | None) -> None:
+        """Construction failed: leave, and give the wrapped optimizer back the state it came with."""
+        self.close()
+        if saved is not None:
+            self._optimizer.load_state_dict(saved)
+
     def close(self) -> None:
         """Leave every shard (rounds stop waiting for this worker), remove hooks, close channels."""
         if self._leases is not None:
             self._leases.stop()
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -11,6 +11,7 @@ Exit code 0 on success, 3 when the shards refused (the message on stderr).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -48,7 +49,10 @@ def main() -> int:
     p.add_argument("--width", type=int, default=40, help="hidden width (another width is another model)")
     p.add_argument("--fixed-data", action="store_true", help="the same batch every step (the loss must go down)")
     p.add_argument("--retry-seconds", type=float, default=60.0)
+    p.add_argument("--log-info", action="store_true", help="shardps' INFO log lines on stderr")
     a = p.parse_args()
+    if a.log_info:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     m = model(a.width)
     opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)

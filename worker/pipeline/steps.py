@@ -149,6 +149,8 @@ class RoundSteps:
             for s, call in enumerate(rnd.calls)
         ]
         self._pulling = rnd
+        if self._watcher is not None:
+            self._watcher.begin(min(self.versions))  # says what the round waits for if it takes over 2 s
 
     def _finish_pull(self, rejoin: bool = True) -> None:
         """Wait for the pending pulls (if any), record the versions received, rejoin restarted shards.
@@ -165,7 +167,11 @@ class RoundSteps:
         """
         rnd, self._pulling = self._pulling, None
         if rnd is not None:
-            applied, failed = rnd.outcome()
+            try:
+                applied, failed = rnd.outcome()  # blocking wait for every shard's answer
+            finally:
+                if self._watcher is not None:
+                    self._watcher.end()
             if not failed:
                 self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
                                         sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))

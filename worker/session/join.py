@@ -112,12 +112,14 @@ class Joined:
         lease_seconds: the shortest lease the shards grant (heartbeat well within it).
         incarnations: each shard process's random token (another one means it restarted).
         job_id: the job's id (shard 0's).
+        initialised: this worker sent the job's initial parameters (to at least one shard).
     """
 
     versions: list[int]
     lease_seconds: float
     incarnations: list[str]
     job_id: str
+    initialised: bool = False
 
 
 def _request(join: JoinPlan, view: pb.JobView | None) -> pb.JoinRequest:
@@ -177,7 +179,7 @@ def join_job(
         errors = [f.exception() for f in futures if f.exception() is not None]
         if not errors:
             return Joined([f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies),
-                          [r.incarnation for r in replies], first.job.job_id)
+                          [r.incarnation for r in replies], first.job.job_id, initialised=bool(told))
         # the cause, not a pull this function cancelled because of it
         error = next((e for e in errors if getattr(e, "code", None) != grpc.StatusCode.CANCELLED), errors[0])
         initialiser_gone = isinstance(error, ShardRpcError) and error.code == grpc.StatusCode.ABORTED
