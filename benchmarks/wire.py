@@ -1,6 +1,6 @@
 """Wire benchmark: a sync push+pull round trip against the raw ceilings, measured in one run.
 
-    python benchmarks/wire.py [--json PATH] [--repeats 5]
+    python benchmarks/wire.py [--json PATH] [--repeats 9] [--channels 1,2,4,8]
 
 1 worker, 2 shards (real processes on 127.0.0.1), a 64 MiB fp32 model (4
 parameters of 4 M elements), SGD. The shardps figure is the effective
@@ -9,10 +9,17 @@ Ceilings, measured in the same run against a separate process:
 - gRPC: a raw-bytes client stream of the same 64 MiB, in messages of the same size
   as shardps' chunks (``--chunk-bytes``, default 4 MiB), to a
   do-nothing server (python grpcio, identity serializers);
+- multi-channel gRPC, the per-process ceiling: the same 64 MiB split evenly
+  over N raw-bytes client streams (``--channels``, default 1, 2, 4 and 8),
+  each on its own ``grpc.Channel`` (its own TCP connection: a local
+  subchannel pool), all N in flight at once from this one client process,
+  to the same do-nothing server process; the best N is the ceiling shardps
+  push+pull is held to (goal: at least 0.9x, ``goal`` in the JSON);
 - TCP: the same bytes over a plain loopback socket.
-The three are measured interleaved (TCP, gRPC, shardps, TCP, ...) so that
-they see the same machine; each figure is the median of ``--repeats`` runs
-after one warm-up. bf16 on the wire is measured after, on fresh shards.
+All are measured interleaved (TCP, gRPC at each channel count, shardps,
+TCP, ...) so that they see the same machine; each figure is the median of
+``--repeats`` runs after one warm-up. bf16 on the wire is measured after,
+on fresh shards.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from shardps.common.transport import channel_options  # noqa: E402
 from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions  # noqa: E402
 
 MODEL_BYTES = 64 << 20
+#: shardps push+pull per worker process must reach this fraction of the best multi-channel raw-gRPC ceiling.
+GOAL = 0.9
 
 
 def _grpc_sink(conn) -> None:
@@ -44,7 +53,7 @@ def _grpc_sink(conn) -> None:
             n += len(message)
         return n.to_bytes(8, "little")
 
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=channel_options())
+    server = grpc.server(futures.ThreadPoolExecutor(16), options=channel_options())  # 8 streams at once
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)}),)
     )
@@ -92,10 +101,30 @@ class _Sink:
         self.proc.join(10)
 
 
-def grpc_sender(port: int, chunk: int, payload) -> callable:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-    push = channel.stream_unary("/bench.Sink/Push")
-    return lambda: push((payload[i : i + chunk].tobytes() for i in range(0, MODEL_BYTES, chunk)), timeout=60)
+def grpc_sender(port: int, chunk: int, payload, channels: int = 1) -> callable:
+    """Send ``payload`` (MODEL_BYTES) split evenly over ``channels`` client streams in flight at once.
+
+    Each stream has a ``grpc.Channel`` of its own, with a local subchannel
+    pool so that no two share a TCP connection; every stream sends its share
+    in messages of at most ``chunk`` bytes. The call returns once every
+    stream's reply is in.
+    """
+    options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+    opened = [grpc.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(channels)]
+    pushes = [channel.stream_unary("/bench.Sink/Push") for channel in opened]
+    share = -(-MODEL_BYTES // channels)
+    spans = [(lo, min(lo + share, MODEL_BYTES)) for lo in range(0, MODEL_BYTES, share)]
+
+    def messages(lo: int, hi: int):
+        return (payload[i : min(i + chunk, hi)].tobytes() for i in range(lo, hi, chunk))
+
+    def send() -> None:
+        calls = [push.future(messages(lo, hi), timeout=60) for push, (lo, hi) in zip(pushes, spans)]
+        received = sum(int.from_bytes(call.result(), "little") for call in calls)
+        assert received == MODEL_BYTES, received
+
+    send.close = lambda: [channel.close() for channel in opened]
+    return send
 
 
 def tcp_sender(port: int, payload) -> callable:
@@ -128,22 +157,26 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--chunk-bytes", type=int, default=4 << 20,
                    help="shardps chunk size and the ceiling's message size, bytes (default 4 MiB)")
+    p.add_argument("--channels", default="1,2,4,8",
+                   help="channel counts of the multi-channel gRPC ceiling, comma-separated (default 1,2,4,8)")
     args = p.parse_args()
+    counts = sorted({int(n) for n in args.channels.split(",")} | {1})
     torch.set_num_threads(1)
     payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()
     sinks = [_Sink("grpc"), _Sink("tcp")]
     try:
         with LocalCluster(2) as cluster:
-            senders = {
-                "grpc": grpc_sender(sinks[0].port, args.chunk_bytes, payload),
-                "tcp": tcp_sender(sinks[1].port, payload),
-            }
+            senders = {"tcp": tcp_sender(sinks[1].port, payload)}
+            for n in counts:  # "grpc" is the single stream; "grpc_N" N channels at once
+                senders["grpc" if n == 1 else f"grpc_{n}"] = grpc_sender(sinks[0].port, args.chunk_bytes, payload, n)
             dist, senders["shardps"] = shardps_rounds(cluster, args.chunk_bytes, "fp32", "fp32")
             times: dict[str, list[float]] = {k: [] for k in senders}
-            for _ in range(args.repeats + 1):  # interleaved, so all three see the same machine; first is warm-up
+            for _ in range(args.repeats + 1):  # interleaved, so all see the same machine; first is warm-up
                 for name, fn in senders.items():
                     times[name].append(_seconds(fn))
             dist.close()
+            for fn in senders.values():
+                getattr(fn, "close", lambda: None)()  # before the sink stops: no GOAWAY noise
         with LocalCluster(2) as cluster:
             dist, bf16 = shardps_rounds(cluster, args.chunk_bytes, "bf16", "bf16")
             bf16_times = [_seconds(bf16) for _ in range(args.repeats + 1)]
@@ -159,6 +192,15 @@ def main() -> None:
     pair = statistics.median(
         (2 * MODEL_BYTES / s) / (MODEL_BYTES / g) for s, g in zip(times["shardps"][1:], times["grpc"][1:])
     )
+    channel_gbps = {n: MODEL_BYTES / med["grpc" if n == 1 else f"grpc_{n}"] / 1e9 for n in counts}
+    best = max(channel_gbps, key=channel_gbps.get)
+    multi = channel_gbps[best]
+    # paired: each repeat's shardps rate over the best of that repeat's channel counts
+    multi_pair = statistics.median(
+        (2 * MODEL_BYTES / times["shardps"][r]) / max(MODEL_BYTES / times["grpc" if n == 1 else f"grpc_{n}"][r]
+                                                     for n in counts)
+        for r in range(1, args.repeats + 1)
+    )
     result = {
         "model_bytes": MODEL_BYTES,
         "chunk_bytes": args.chunk_bytes,
@@ -170,19 +212,31 @@ def main() -> None:
         "ratio_to_grpc": ours / ceiling,
         "ratio_to_grpc_paired_median": pair,
         "ratio_to_tcp": ours / tcp,
+        "grpc_channels_gbps": {str(n): g for n, g in channel_gbps.items()},
+        "grpc_multi_channel_ceiling_gbps": multi,
+        "grpc_multi_channel_ceiling_channels": best,
+        "ratio_to_grpc_multi_channel": ours / multi,
+        "ratio_to_grpc_multi_channel_paired_median": multi_pair,
+        "goal": {"min_ratio_to_grpc_multi_channel": GOAL, "ratio": ours / multi, "met": ours / multi >= GOAL},
         "round_seconds": times["shardps"][1:],
         "grpc_seconds": times["grpc"][1:],
+        "grpc_channels_seconds": {str(n): times["grpc" if n == 1 else f"grpc_{n}"][1:] for n in counts},
     }
     print(table(
         [
             ["shardps sync push+pull (2 shards)", f"{ours:.2f}", f"{ours / ceiling:.2f}"],
             ["shardps, bf16 on the wire (fp32-equivalent)", f"{bf16_gbps:.2f}", f"{bf16_gbps / ceiling:.2f}"],
             ["raw-bytes gRPC client stream", f"{ceiling:.2f}", "1.00"],
+            *[[f"raw-bytes gRPC, {n} channels at once", f"{g:.2f}", f"{g / ceiling:.2f}"]
+              for n, g in channel_gbps.items() if n > 1],
             ["raw TCP socket", f"{tcp:.2f}", f"{tcp / ceiling:.2f}"],
         ],
         [f"64 MiB fp32 model, {args.chunk_bytes >> 10} KiB chunks", "GB/s", "x gRPC"],
     ))
     print(f"paired median ratio shardps / gRPC: {pair:.2f}")
+    print(f"shardps push+pull / best multi-channel gRPC ceiling ({best} channels, {multi:.2f} GB/s): "
+          f"{ours / multi:.2f} (paired median {multi_pair:.2f}); goal >= {GOAL:.1f}: "
+          f"{'met' if ours / multi >= GOAL else 'NOT met'}")
     emit(result, args.json)
 
 

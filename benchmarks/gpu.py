@@ -1,0 +1,557 @@
+"""GPU data plane: one shardps worker on CUDA against plain single-GPU PyTorch, and where each step's time goes.
+
+    python benchmarks/gpu.py [--json PATH] [--device auto|cuda|cpu] [--steps N] [--warmup N]
+                             [--workloads transformer:32,transformer:256,mlp:64] [--shards 2,4] [--repeats 1]
+
+One worker process (this one) trains on the device; its shards are
+``--shards`` processes on the same host (2 and 4 by default; started once,
+and reset between rows, as ``shardps reset`` does); the baseline is plain PyTorch on the same device with
+``torch.optim.AdamW(fused=True)``, run in the same process, on the same
+batches, from the same initial weights. Workloads (``--workloads``,
+``model:samples per step``): the transformer LM of ``benchmarks/train.py``
+(6 layers, d_model 384, 17.0 M parameters) at 32 and 256 sequences of 64
+tokens per step, and its MLP (1024-2048-2048-2048-10, 10.5 M parameters)
+at 64 samples per step. shardps runs sync, AdamW (fused, lr 1e-3) on the
+shards, 4 MiB chunks, pulls overlapped with the next forward (``model=``).
+Without CUDA (or with ``--device cpu``) the same job runs on the CPU, so
+that CI can smoke it; ``--tiny`` shrinks both models for that.
+
+Figures per row: samples/s over the timed steps (all but the first
+``--warmup``), its ratio to plain PyTorch's, the final loss (a fixed
+held-out batch, final parameters) and its difference to plain PyTorch's,
+and where each step's time goes, in ms per step (means over the timed
+steps; medians over ``--repeats``). On CUDA every host-side mark is taken
+after ``torch.cuda.synchronize()``; on CPU ``time.perf_counter()`` alone.
+
+shardps phases (``phases_ms``):
+
+- ``forward``: the forward pass, less the time its pre-hooks waited for
+  the previous round's parameters (``forward_wait_for_pull``);
+- ``backward``: the backward pass (gradient hooks enqueue chunks, the
+  pushes run meanwhile on gRPC's threads);
+- ``step_call``: ``step()`` closing the round (trailer, the rest of the chunks);
+- ``grad_copy_off_device``: the gradient chunks' copies to host memory on
+  the push threads (summed over chunks; 0 on CPU, where there is no copy);
+- ``push``: the push window, from the first gradient chunk a push stream
+  takes to the last frame of the round handed to gRPC (over all shards;
+  it overlaps the backward pass), and ``push_after_backward`` its part
+  after the backward pass ended;
+- ``round_wait``: per shard, from its push's end to its first parameter
+  chunk back (the shard's update and the reply's latency), mean over shards;
+- ``pull``: from the first parameter chunk back to the last (all shards);
+- ``copy_onto_device``: decoding the pulled frames and copying them into
+  the model (summed over chunks; on CUDA the host-to-device copy);
+- ``pull_after_step``: from ``step()`` returning to the last chunk in the
+  model: the part of the pull the next forward overlaps.
+
+``timeline_ms``: the same marks as offsets from the step's start (forward
+end, backward end, ``step()`` returned, push start and end, first and last
+chunk pulled, and the next step's start), so that the overlap shows.
+``metrics_ms``: the worker's own ``shardps_worker_push_seconds`` and
+``shardps_worker_pull_seconds`` histograms (from ``step()`` closing the
+round), means over the timed rounds, as a cross-check. Plain PyTorch's
+phases: ``forward``, ``backward``, ``optimizer_step``.
+
+The shardps marks are read from outside the worker's code, in this process:
+the push streams' request iterators (``steps.push_requests``) and their
+chunk queues, the pulled-frame iterator of ``ParameterSink.receive`` and
+``ForwardWaits._wait`` are wrapped; nothing in ``shardps`` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import emit, parser, table  # noqa: E402
+from torch import nn  # noqa: E402
+
+LR = 1e-3
+EVAL_STEP = 10_000
+now = time.perf_counter
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Model sizes: the transformer LM's and the MLP's (``benchmarks/train.py``'s by default)."""
+
+    vocab: int = 8192
+    d_model: int = 384
+    layers: int = 6
+    heads: int = 6
+    context: int = 64
+    d_in: int = 1024
+    hidden: int = 2048
+    classes: int = 10
+
+
+#: ``--tiny``: for CI's smoke test.
+TINY = Sizes(vocab=256, d_model=32, layers=2, heads=2, context=16, d_in=64, hidden=64)
+
+
+class LM(nn.Module):
+    """``benchmarks/train.py``'s causal Transformer LM at ``sizes``: tokens ``[B, T]`` -> logits ``[B, T, vocab]``."""
+
+    def __init__(self, s: Sizes) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab, s.d_model)
+        self.pos = nn.Parameter(torch.randn(s.context, s.d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(s.d_model, s.heads, 4 * s.d_model, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, s.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(s.d_model)
+        self.head = nn.Linear(s.d_model, s.vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(s.context), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+def make_model(kind: str, s: Sizes, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "transformer":
+        model = LM(s)
+    else:
+        model = nn.Sequential(nn.Linear(s.d_in, s.hidden), nn.ReLU(), nn.Linear(s.hidden, s.hidden), nn.ReLU(),
+                              nn.Linear(s.hidden, s.hidden), nn.ReLU(), nn.Linear(s.hidden, s.classes))
+    return model.to(device)
+
+
+def batch(kind: str, s: Sizes, step: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of batch ``step`` (deterministic, made on CPU), on ``device``."""
+    g = torch.Generator().manual_seed(step)
+    if kind == "transformer":
+        tokens = torch.randint(0, s.vocab, (rows, s.context + 1), generator=g)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    return (torch.randn(rows, s.d_in, generator=g).to(device),
+            torch.randint(0, s.classes, (rows,), generator=g).to(device))
+
+
+def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = net(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+# ---------------------------------------------------------------- the worker's timeline, measured from outside
+
+
+class StepRecord:
+    """What the probes saw of one step's round (perf_counter seconds; per-shard marks by shard index)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sums: dict[str, float] = {}
+        self.push_start: dict[int, float] = {}
+        self.push_end: dict[int, float] = {}
+        self.first_pulled: dict[int, float] = {}
+        self.last_pulled: dict[int, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.sums[name] = self.sums.get(name, 0.0) + seconds
+
+    def first(self, marks: dict[int, float], shard: int, t: float) -> None:
+        with self.lock:
+            marks.setdefault(shard, t)
+
+    def last(self, marks: dict[int, float], shard: int, t: float) -> None:
+        with self.lock:
+            marks[shard] = t
+
+
+class _TimedQueue:
+    """A push stream's chunk queue whose ``get`` times the wait and does the gradient's copy to host itself.
+
+    ``push_requests`` copies a gradient chunk to the host (``values.to("cpu", push_dtype)``) right after
+    taking it off the queue, on the same thread; this does exactly that copy one call earlier, timed
+    (after waiting for the device's queued work, on CUDA), and hands over the host copy, whose own
+    ``.to("cpu", push_dtype)`` is then a no-op.
+    """
+
+    def __init__(self, inner, record: StepRecord, shard: int, push_dtype: torch.dtype) -> None:
+        self.inner, self.record, self.shard, self.push_dtype = inner, record, shard, push_dtype
+
+    def put(self, item) -> None:
+        self.inner.put(item)
+
+    def get(self, *args, **kwargs):
+        t = now()
+        item = self.inner.get(*args, **kwargs)
+        t1 = now()
+        self.record.add("queue_wait", t1 - t)
+        if item is not None and item[0] == "grad":
+            self.record.first(self.record.push_start, self.shard, t1)
+            values = item[2]
+            if values.is_cuda:
+                torch.cuda.current_stream(values.device).synchronize()  # the backward kernels behind it are done
+                t1 = now()
+            host = values.to("cpu", self.push_dtype)
+            self.record.add("grad_copy_off_device", now() - t1)
+            item = ("grad", item[1], host)
+        return item
+
+
+class Probe:
+    """Wraps the worker's push streams, pulled-frame reader and forward waits in this process (see the docstring)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.records: dict[int, StepRecord] = {}
+        self._undo: list = []
+
+    def record(self, step: int) -> StepRecord:
+        return self.records.setdefault(step, StepRecord())
+
+    def install(self) -> "Probe":
+        from shardps.worker.pipeline import overlap, steps, streams
+
+        probe = self
+        push_requests, receive, wait = steps.push_requests, streams.ParameterSink.receive, overlap.ForwardWaits._wait
+
+        def timed_push_requests(header, shard, push_dtype, checksum, rnd, commit_timeout):
+            record = rnd._bench_record = probe.record(probe.step)  # opened by this step's first gradient hook
+            rnd.queues[shard] = _TimedQueue(rnd.queues[shard], record, shard, push_dtype)
+            frames = push_requests(header, shard, push_dtype, checksum, rnd, commit_timeout)
+
+            def timed():
+                while True:
+                    t = now()
+                    try:
+                        frame = next(frames)
+                    except StopIteration:
+                        record.last(record.push_end, shard, now())  # the last frame went to gRPC
+                        return
+                    t1 = now()
+                    record.add("push_inside", t1 - t)  # queue wait + copy off the device + encoding
+                    yield frame
+                    record.add("push_send", now() - t1)  # gRPC writing the frame
+
+            return timed()
+
+        def timed_receive(sink, client, call, min_version, what, rnd=None):
+            record = getattr(rnd, "_bench_record", None)
+            if record is None:  # the initial pull
+                return receive(sink, client, call, min_version, what, rnd)
+            shard = client.index
+
+            def frames():
+                asked = now()
+                for raw in call:
+                    t = now()
+                    record.add("pull_network_wait", t - asked)
+                    record.first(record.first_pulled, shard, t)
+                    record.last(record.last_pulled, shard, t)
+                    yield raw
+                    asked = now()
+                    record.add("copy_onto_device", asked - t)  # decoding and copying the frame into the model
+
+            return receive(sink, client, frames(), min_version, what, rnd)
+
+        def timed_wait(waits, module, args):
+            t = now()
+            try:
+                return wait(waits, module, args)
+            finally:
+                probe.record(probe.step).add("forward_wait_for_pull", now() - t)
+
+        steps.push_requests = timed_push_requests
+        streams.ParameterSink.receive = timed_receive
+        overlap.ForwardWaits._wait = timed_wait
+        self._undo = [(steps, "push_requests", push_requests), (streams.ParameterSink, "receive", receive),
+                      (overlap.ForwardWaits, "_wait", wait)]
+        return self
+
+    def remove(self) -> None:
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+        self._undo = []
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return 1e3 * statistics.fmean(values) if values else 0.0
+
+
+def run_torch(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync) -> dict:
+    """Plain PyTorch on ``device``: AdamW(fused=True); samples/s, final loss, phases."""
+    model = make_model(kind, s, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    batches = [batch(kind, s, i, rows, device) for i in range(steps)]
+    marks = []
+    sync()
+    for i, (x, y) in enumerate(batches):
+        t0 = now()
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        sync()
+        t1 = now()
+        loss.backward()
+        sync()
+        t2 = now()
+        opt.step()
+        sync()
+        marks.append((t0, t1, t2, now()))
+    timed = marks[warmup:]
+    seconds = marks[-1][3] - timed[0][0]
+    with torch.no_grad():
+        final = loss_of(model, *batch(kind, s, EVAL_STEP, rows, device)).item()
+    return {
+        "samples_per_s": rows * len(timed) / seconds,
+        "final_loss": final,
+        "phases_ms": {"forward": _mean(t1 - t0 for t0, t1, _, _ in timed),
+                      "backward": _mean(t2 - t1 for _, t1, t2, _ in timed),
+                      "optimizer_step": _mean(t3 - t2 for _, _, t2, t3 in timed)},
+        "step_ms": 1e3 * seconds / len(timed),
+    }
+
+
+def _histogram(registry, name: str) -> tuple[float, float]:
+    return (registry.get_sample_value(f"{name}_sum") or 0.0, registry.get_sample_value(f"{name}_count") or 0.0)
+
+
+def reset_shards(addresses: list[str]) -> None:
+    """Drop the job the shards hold (every worker left), so that the next row starts a job of its own."""
+    from shardps.worker.session.client import ShardClient, ShardRpcError
+
+    for i, address in enumerate(addresses):
+        client = ShardClient(address, index=i, connect_timeout=10.0, rpc_timeout=10.0)
+        try:
+            for attempt in range(50):
+                try:
+                    client.reset()
+                    break
+                except ShardRpcError:  # a leave still being processed: the shard is not idle yet
+                    if attempt == 49:
+                        raise
+                    time.sleep(0.1)
+        finally:
+            client.close()
+
+
+def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync,
+                addresses: list[str], chunk_bytes: int) -> dict:
+    """One shardps worker on ``device`` with the idle shards at ``addresses``; samples/s, final loss, phases."""
+    from shardps.worker import DistributedOptimizer, WireOptions
+
+    model = make_model(kind, s, device)
+    batches = [batch(kind, s, i, rows, device) for i in range(steps)]
+    probe = Probe().install()
+    try:
+        dist = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
+                                    model.named_parameters(), servers=addresses, model=model,
+                                    wire=WireOptions(chunk_bytes=chunk_bytes))
+        registry = dist.metrics.registry
+        marks, before = [], None
+        sync()
+        for i, (x, y) in enumerate(batches):
+            if i == warmup:
+                before = {m: _histogram(registry, m) for m in ("shardps_worker_push_seconds",
+                                                                "shardps_worker_pull_seconds")}
+            probe.step = i
+            t0 = now()
+            dist.zero_grad()
+            loss = loss_of(model, x, y)
+            sync()
+            t1 = now()
+            loss.backward()
+            sync()
+            t2 = now()
+            dist.step()
+            marks.append((t0, t1, t2, now()))
+        probe.step = steps
+        dist.synchronize()  # the last pull lands
+        sync()
+        end = now()
+        metrics = {}
+        for m, (total, count) in before.items():
+            t, c = _histogram(registry, m)
+            metrics[m.removeprefix("shardps_worker_").removesuffix("_seconds")] = (
+                1e3 * (t - total) / (c - count) if c > count else 0.0)
+        pushed = registry.get_sample_value("shardps_worker_pushed_bytes_total") or 0.0
+        with torch.no_grad():
+            final = loss_of(model, *batch(kind, s, EVAL_STEP, rows, device)).item()
+        dist.close()
+    finally:
+        probe.remove()
+    reset_shards(addresses)
+    starts = [m[0] for m in marks] + [end]
+    per_step, timeline = [], []
+    for i in range(warmup, steps):
+        t0, t1, t2, t3 = marks[i]
+        r = probe.records.get(i, StepRecord())
+        sums = r.sums
+        fw = sums.get("forward_wait_for_pull", 0.0)
+        push_start, push_end = min(r.push_start.values(), default=t2), max(r.push_end.values(), default=t3)
+        first, last = min(r.first_pulled.values(), default=t3), max(r.last_pulled.values(), default=t3)
+        waits = [r.first_pulled[sh] - r.push_end[sh] for sh in r.push_end if sh in r.first_pulled]
+        per_step.append({
+            "forward": t1 - t0 - fw, "forward_wait_for_pull": fw, "backward": t2 - t1, "step_call": t3 - t2,
+            "grad_copy_off_device": sums.get("grad_copy_off_device", 0.0),
+            "push": push_end - push_start, "push_after_backward": max(0.0, push_end - t2),
+            "round_wait": statistics.fmean(waits) if waits else 0.0,
+            "pull": last - first, "copy_onto_device": sums.get("copy_onto_device", 0.0),
+            "pull_after_step": max(0.0, last - t3),
+        })
+        timeline.append({"forward_end": t1 - t0, "backward_end": t2 - t0, "step_returned": t3 - t0,
+                         "push_start": push_start - t0, "push_end": push_end - t0, "first_chunk_pulled": first - t0,
+                         "last_chunk_pulled": last - t0, "next_step_start": starts[i + 1] - t0})
+    seconds = end - marks[warmup][0]
+    timed = steps - warmup
+    return {
+        "samples_per_s": rows * timed / seconds,
+        "final_loss": final,
+        "phases_ms": {k: _mean(p[k] for p in per_step) for k in per_step[0]},
+        "timeline_ms": {k: _mean(p[k] for p in timeline) for k in timeline[0]},
+        "metrics_ms": metrics,
+        "pushed_bytes_per_step": pushed / steps,
+        "step_ms": 1e3 * seconds / timed,
+    }
+
+
+def _median_rows(runs: list[dict]) -> dict:
+    """Medians over repeats of every figure (final losses agree across repeats: the job is deterministic)."""
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    out["final_loss"] = runs[0]["final_loss"]
+    if len(runs) > 1:
+        out["samples_per_s_runs"] = [r["samples_per_s"] for r in runs]
+    return out
+
+
+def device_of(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine")
+    return torch.device(choice)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from common import machine
+
+    return f"{machine()['cpu']} (CPU, {torch.get_num_threads()} torch thread(s))"
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="cuda when available (auto), else the CPU")
+    p.add_argument("--steps", type=int, help="steps per row, warm-up included (default 30 on CUDA, 6 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed first steps (default 5 on CUDA, 2 on CPU)")
+    p.add_argument("--workloads", default="transformer:32,transformer:256,mlp:64",
+                   help="model:samples per step, comma-separated (models: transformer, mlp)")
+    p.add_argument("--shards", default="2,4", help="shard processes of the shardps rows, comma-separated")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every row, interleaved; figures are medians")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
+    p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
+    p.add_argument("--tiny", action="store_true", help="tiny models (CI's smoke test)")
+    args = p.parse_args()
+    device = device_of(args.device)
+    cuda = device.type == "cuda"
+    steps = args.steps or (30 if cuda else 6)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    if not 0 <= warmup < steps:
+        p.error("--warmup must be >= 0 and below --steps")
+    workloads = []
+    for w in args.workloads.split(","):
+        kind, _, rows = w.partition(":")
+        if kind not in ("transformer", "mlp") or not rows.isdigit() or int(rows) < 1:
+            p.error(f"bad workload {w!r}: model:samples, model transformer or mlp")
+        workloads.append((kind, int(rows)))
+    shard_counts = [int(n) for n in args.shards.split(",")]
+    torch.set_num_threads(args.threads)
+    sizes = TINY if args.tiny else Sizes()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    name = device_name(device)
+    print(f"device: {device.type} ({name}); {steps} steps per row, {warmup} untimed; {args.repeats} repeat(s)",
+          flush=True)
+    systems = ["torch", *[f"shardps_{n}" for n in shard_counts]]
+    rows_out = []
+    from shardps.worker import LocalCluster
+
+    with contextlib.ExitStack() as stack:
+        clusters = {n: stack.enter_context(LocalCluster(n)).addresses for n in shard_counts}
+        rows_out = measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, args)
+    print_tables(rows_out)
+    emit({"device": device.type, "device_name": name, "cuda_available": torch.cuda.is_available(),
+          "torch_threads": args.threads, "steps": steps, "warmup": warmup, "timed_steps": steps - warmup,
+          "repeats": args.repeats, "chunk_bytes": args.chunk_bytes, "tiny": args.tiny,
+          "sizes": dataclasses.asdict(sizes), "rows": rows_out}, args.json)
+
+
+def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, args) -> list[dict]:
+    """Every row: each workload's systems, ``args.repeats`` times interleaved; medians."""
+    rows_out = []
+    for kind, rows in workloads:
+        params = sum(q.numel() for q in make_model(kind, sizes, torch.device("cpu")).parameters())
+        runs: dict[str, list[dict]] = {sy: [] for sy in systems}
+        for _ in range(args.repeats):
+            for system in systems:
+                print(f"{kind} x {rows}: {system} ...", flush=True)
+                if system == "torch":
+                    runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync))
+                else:
+                    runs[system].append(run_shardps(kind, sizes, rows, steps, warmup, device, sync,
+                                                    clusters[int(system.split("_")[1])], args.chunk_bytes))
+        base = _median_rows(runs["torch"])
+        for system in systems:
+            r = base if system == "torch" else _median_rows(runs[system])
+            rows_out.append({
+                "workload": kind, "samples_per_step": rows, "params": params, "system": system,
+                "shards": 0 if system == "torch" else int(system.split("_")[1]), **r,
+                "ratio_samples_per_s_vs_torch": r["samples_per_s"] / base["samples_per_s"],
+                "final_loss_abs_diff": abs(r["final_loss"] - base["final_loss"]),
+            })
+    return rows_out
+
+
+def print_tables(rows_out: list[dict]) -> None:
+    print(table(
+        [[f"{r['workload']} x {r['samples_per_step']}", r["system"], f"{r['samples_per_s']:.1f}",
+          f"{r['ratio_samples_per_s_vs_torch']:.2f}", f"{r['final_loss']:.6f}", f"{r['final_loss_abs_diff']:.1e}"]
+         for r in rows_out],
+        ["workload", "system", "samples/s", "x torch", "final loss", "|diff|"],
+    ))
+    phase_names = ["forward", "forward_wait_for_pull", "backward", "step_call", "grad_copy_off_device", "push",
+                   "push_after_backward", "round_wait", "pull", "copy_onto_device", "pull_after_step"]
+    print("\nms per step (shardps rows; plain torch: forward / backward / optimizer step)")
+    print(table(
+        [[f"{r['workload']} x {r['samples_per_step']}", r["system"], f"{r['step_ms']:.1f}",
+          *([f"{r['phases_ms'][k]:.1f}" for k in phase_names] if r["system"] != "torch" else
+            [f"{r['phases_ms']['forward']:.1f}", "-", f"{r['phases_ms']['backward']:.1f}",
+             f"{r['phases_ms']['optimizer_step']:.1f}", *["-"] * (len(phase_names) - 4)])]
+         for r in rows_out],
+        ["workload", "system", "step", *phase_names],
+    ))
+    marks = ["forward_end", "backward_end", "step_returned", "push_start", "push_end", "first_chunk_pulled",
+             "last_chunk_pulled", "next_step_start"]
+    print("\ntimeline, ms from the step's start (shardps rows)")
+    print(table(
+        [[f"{r['workload']} x {r['samples_per_step']}", r["system"], *[f"{r['timeline_ms'][k]:.1f}" for k in marks]]
+         for r in rows_out if r["system"] != "torch"],
+        ["workload", "system", *marks],
+    ))
+
+
+if __name__ == "__main__":
+    main()
