@@ -1,0 +1,157 @@
+"""The emulated network of ``benchmarks/cluster.py``: one namespace per host, a switch namespace, rate-limited veths.
+
+Topology (every name carries this process's pid, so parallel runs do not clash)::
+
+    host namespace  sps<pid>h<i>            switch namespace  sps<pid>sw
+      eth0 10.200.0.<i+1>/16 ---- veth ---- p<i>  --+
+                                                     +-- bridge br0 (no address)
+      ... one per worker and per shard host ...  ---+
+
+Each host's link is limited in both directions with a token bucket
+(``tc qdisc ... tbf``): on egress of the host end ``eth0`` (what the host
+sends) and on egress of the switch end ``p<i>`` (what the host receives),
+so every host has a full-duplex link of ``rate`` bits/s to a non-blocking
+switch; an optional ``netem`` delay (one way, milliseconds) sits on the
+switch end. Addresses come from 10.200.0.0/16 and exist only inside these
+namespaces: nothing is routed anywhere else, and no address or route is
+added to the root namespace.
+
+Bytes per link are read from the switch ends' counters (``ip -s -j link``
+in the switch namespace): ``rx_bytes`` of ``p<i>`` is what host ``i`` sent,
+``tx_bytes`` what it received, Ethernet, IP and TCP headers included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+SUBNET_PREFIX = "10.200."
+MTU = 1500
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (no shell); raise with its stderr when ``check`` and it fails."""
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def probe() -> str | None:
+    """None if this process can make network namespaces, veths and tbf qdiscs; else the reason it cannot."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not on PATH"
+    name = f"spsprobe{os.getpid()}"
+    made = run("ip", "netns", "add", name, check=False)
+    if made.returncode != 0:
+        return ("cannot create a network namespace (needs CAP_NET_ADMIN: run as root, or in a user namespace "
+                f"that grants it where the kernel allows, e.g. `unshare -Urnm`): {made.stderr.strip()}")
+    try:
+        steps = [("ip", "-n", name, "link", "add", "a0", "type", "veth", "peer", "name", "b0"),
+                 ("ip", "-n", name, "link", "add", "br0", "type", "bridge"),
+                 ("tc", "-n", name, "qdisc", "add", "dev", "a0", "root", "tbf", "rate", "100mbit", "burst", "32kb",
+                  "latency", "100ms")]
+        for step in steps:
+            proc = run(*step, check=False)
+            if proc.returncode != 0:
+                return f"`{' '.join(step)}` failed: {proc.stderr.strip()}"
+    finally:
+        run("ip", "netns", "del", name, check=False)
+    return None
+
+
+def tbf_args(rate_bit: float) -> list[str]:
+    """``tc`` arguments of a token bucket at ``rate_bit`` bits/s: a burst of ~2 ms (>= 32 KiB), 100 ms of queue."""
+    burst = max(32 << 10, int(rate_bit / 8 * 0.002))
+    return ["tbf", "rate", f"{int(rate_bit)}bit", "burst", str(burst), "latency", "100ms"]
+
+
+class Network:
+    """The namespaces, veths and bridge of one run; :meth:`destroy` removes all of them (idempotent).
+
+    Args:
+        hosts: host names in order (``w0``, ``s0``, ...); host ``i`` gets 10.200.0.<i+1>.
+        rates_bit: each host's link rate in bits/s, both directions.
+        delay_ms: one-way delay added on the switch end of every link (``netem``), milliseconds; 0: none.
+    """
+
+    def __init__(self, hosts: list[str], rates_bit: dict[str, float], delay_ms: float = 0.0) -> None:
+        if len(hosts) > 250:
+            raise ValueError("at most 250 hosts")
+        self.tag = f"sps{os.getpid()}"
+        self.switch = f"{self.tag}sw"
+        self.hosts = hosts
+        self.rates_bit = rates_bit
+        self.delay_ms = delay_ms
+        self.namespaces: list[str] = []  # created, in order
+        self.ns = {h: f"{self.tag}h{i}" for i, h in enumerate(hosts)}
+        self.address = {h: f"{SUBNET_PREFIX}0.{i + 1}" for i, h in enumerate(hosts)}
+        self.port = {h: f"p{i}" for i, h in enumerate(hosts)}
+
+    def _add_ns(self, name: str) -> None:
+        run("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def create(self) -> "Network":
+        """Make the switch, every host namespace, its veth, address and token buckets."""
+        self._add_ns(self.switch)
+        run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host in self.hosts:
+            ns, port = self.ns[host], self.port[host]
+            self._add_ns(ns)
+            # both ends are created straight inside their namespaces: no name ever appears in the root namespace
+            run("ip", "-n", self.switch, "link", "add", port, "mtu", str(MTU), "type", "veth", "peer", "name", "eth0",
+                "netns", ns)
+            run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            run("ip", "-n", self.switch, "link", "set", port, "up")
+            run("ip", "-n", ns, "addr", "add", f"{self.address[host]}/16", "dev", "eth0")
+            run("ip", "-n", ns, "link", "set", "eth0", "up")
+            rate = self.rates_bit[host]
+            run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(rate))
+            if self.delay_ms > 0:
+                run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "handle", "1:", *tbf_args(rate))
+                run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "parent", "1:1", "handle", "10:", "netem",
+                    "delay", f"{self.delay_ms}ms", "limit", "100000")
+            else:
+                run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(rate))
+        return self
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """``{host: (bytes the host sent, bytes it received)}`` so far, from the switch ends' counters."""
+        out = json.loads(run("ip", "-n", self.switch, "-s", "-j", "link", "show").stdout)
+        by_port = {link["ifname"]: link["stats64"] for link in out if "stats64" in link}
+        return {h: (by_port[p]["rx"]["bytes"], by_port[p]["tx"]["bytes"]) for h, p in self.port.items()}
+
+    def exec_args(self, host: str) -> list[str]:
+        """The command prefix that runs a program inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.ns[host]]
+
+    def destroy(self) -> None:
+        """Kill whatever still runs in the namespaces (only this run's processes can be there), then delete them.
+
+        Deleting a namespace deletes the veth ends in it, and with them their
+        peers and the qdiscs; the bridge goes with the switch namespace.
+        """
+        for ns in reversed(self.namespaces):
+            pids = run("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for ns in reversed(self.namespaces):
+            run("ip", "netns", "del", ns, check=False)
+        self.namespaces = []
+
+
+def list_namespaces() -> set[str]:
+    """Names of the network namespaces ``ip netns`` knows now."""
+    return {line.split()[0] for line in run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()}
