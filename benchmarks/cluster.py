@@ -196,7 +196,8 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
                 shards.append(Host(f"{host}-{system}", net.exec_args(host) + [
                     sys.executable, "-m", "shardps.cli.server", "--shard-index", str(j), "--num-shards", str(s),
                     "--host", net.address[host], "--port", str(SHARD_PORT), "--min-workers", str(n), "--mode", mode,
-                    "--threads", "1", "--log-level", "WARNING"], log_dir, env))
+                    "--threads", "1", "--lease-seconds", str(args.lease_seconds), "--log-level", "WARNING"],
+                    log_dir, env))
                 cleanup.hosts.append(shards[-1])
             for shard in shards:
                 shard.expect("listening", time.monotonic() + args.timeout)
@@ -275,6 +276,8 @@ def main() -> int:
     p.add_argument("--straggler", action="store_true", help="the last worker host's link at half the rate")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size, bytes (default 4 MiB)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take beyond 3x its link bound")
+    p.add_argument("--lease-seconds", type=float, default=120.0,
+                   help="shards' worker lease, s (default 120: a heartbeat waits behind megabytes on a slow link)")
     p.add_argument("--probe", action="store_true", help="only check that namespaces can be made (exit 0 or 77)")
     args = p.parse_args()
     systems = (args.systems or ("async,ddp" if args.straggler else ",".join(SYSTEMS))).split(",")
