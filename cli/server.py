@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("sync", "async", "ssp"), default="",
                    help="refuse workers that train in another consistency mode (default: the first worker's)")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf gradients instead of rejecting them")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the optimizer step (default 0: the cores this process may use, from its "
+                        "CPU affinity and cgroup CPU quota)")
     o = p.add_argument_group("operations")
     o.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus metrics over HTTP on this port (0: a free one; default: off)")
@@ -94,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         SystemExit: a flag is missing or malformed (argparse prints the usage), or
             the values do not make a valid ``ShardConfig`` (the message names the fix).
     """
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     budget = {} if a.memory_budget_bytes is None else {"memory_budget_bytes": a.memory_budget_bytes}
     try:
         return ShardConfig(
@@ -107,10 +111,10 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             metrics_host=a.metrics_host, health_port=a.health_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
             tls_ca=a.tls_ca, auth_token_file=a.auth_token_file, log_level=a.log_level,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
-            grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, **budget,
+            grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, threads=a.threads, **budget,
         )
     except ValueError as exc:
-        p.error(str(exc))
+        parser.error(str(exc))
 
 
 async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
@@ -119,7 +123,7 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
     Raises:
         RuntimeError: the address could not be bound.
     """
-    torch.set_num_threads(1)  # one optimizer thread per shard; shards share the node's cores
+    torch.set_num_threads(config.threads)  # --threads: by default the cores this process may use
     store = ShardStore(config)
     health_servicer = health.aio.HealthServicer()
     await store.checkpoints.restore()  # the newest intact checkpoint of --checkpoint-dir, if any

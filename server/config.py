@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,47 @@ def default_memory_budget_bytes() -> int:
     except OSError:
         limit = physical
     return int(0.8 * min(physical, limit))
+
+
+def _cgroup_cpus(cgroup: Path) -> float | None:
+    """CPUs the cgroup's CFS quota allows (quota / period), None without a quota.
+
+    cgroup v2: ``<cgroup>/cpu.max`` ("max 100000" or "150000 100000");
+    cgroup v1: ``<cgroup>/cpu/cpu.cfs_quota_us`` (-1: none) and ``cpu.cfs_period_us``.
+    """
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    for sub in ("cpu", "cpu,cpuacct"):
+        try:
+            quota = int((cgroup / sub / "cpu.cfs_quota_us").read_text())
+            period = int((cgroup / sub / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
+def usable_cores(affinity: Collection[int] | None = None, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (rounded down), >= 1.
+
+    The default thread count of a shard's optimizer step (``--threads``).
+    Read once at the edge (CLI, ``ShardConfig``).
+
+    Args:
+        affinity: the CPUs the process may run on; None: ``os.sched_getaffinity(0)``
+            (``os.cpu_count()`` where the platform has no affinity).
+        cgroup: the cgroup directory whose quota applies (a Kubernetes pod's CPU limit).
+    """
+    if affinity is None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = max(1, len(affinity))
+    quota = _cgroup_cpus(cgroup)
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return cores
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +122,9 @@ class ShardConfig:
             present a certificate it signed).
         auth_token_file: file holding the bearer token every ``shardps.v1.Shard`` call must carry.
         log_level: the process's log level (DEBUG, INFO, WARNING or ERROR).
+        threads: torch threads of the optimizer step (``torch.set_num_threads``
+            at start); 0 (or left out): :func:`usable_cores`, the cores the
+            process may use (affinity and cgroup CPU quota).
     """
 
     shard_index: int
@@ -115,8 +160,11 @@ class ShardConfig:
     tls_ca: str = ""
     auth_token_file: str = ""
     log_level: str = "INFO"
+    threads: int = field(default_factory=usable_cores)
 
     def __post_init__(self) -> None:
+        if self.threads == 0:
+            object.__setattr__(self, "threads", usable_cores())
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
         if not 0 <= self.shard_index < self.num_shards:
@@ -152,6 +200,8 @@ class ShardConfig:
             raise ValueError(f"lease_seconds must be in [0.5, 3600], got {self.lease_seconds}")
         if self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or 0: the usable cores), got {self.threads}")
         for name in ("max_waiting", "max_id_chars", "max_keys", "max_groups", "max_chunks", "max_dims",
                      "memory_budget_bytes"):
             if getattr(self, name) < 1:

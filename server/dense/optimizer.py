@@ -8,15 +8,39 @@ is None in a round is given ``grad = None`` and torch skips it (no weight
 decay, no momentum, no state change). One fused (or foreach) call still
 steps every view of a group.
 
-A round is applied all-or-nothing. Before the real step, a dry run steps
-copies of the parameters and optimizer state, up to ``SEGMENT`` elements at
-a time in shared scratch buffers, and checks every result: the new
-parameters and the new optimizer state must all be finite, and torch must
-not raise. Only then does the real step run. A refused round leaves the
-parameters and optimizer state untouched. The optimizers are element-wise,
-so stepping copies computes exactly the values the real step computes.
-The dry run costs about one more step per round (``benchmarks/update.py``
-measures it).
+A round is applied all-or-nothing: one that would write a non-finite value
+into the parameters or the optimizer state is refused before anything
+changes (parameters, state, step counts, learning rates). Most rounds are
+*proved* finite at the cost of one pass over the averaged gradient:
+
+1. :func:`~shardps.server.dense.bounds.grad_bound` bounds ``|g|`` (a dot
+   product per 16 M elements; NaN, Inf or a gradient too large to square
+   make it infinite), unless the caller passes a bound it made with the gradient.
+2. :func:`~shardps.server.dense.bounds.propagate` runs the optimizer's
+   formulas on magnitude bounds of the parameters and state that the shard
+   carries from round to round (measured from the buffers when first needed,
+   after ``load_state``, and when the buffer's ``_version`` shows a torch
+   in-place write outside ``apply``; the buffers are filled before the
+   optimizer is built, and nothing else may write them): every intermediate
+   value of the torch kernel, for every element, is at most 2**100 and no
+   denominator or square root can go wrong, so every value written is finite.
+3. The real step runs: the same torch call as always.
+
+When the bounds prove nothing (a huge gradient or learning rate, ``eps`` of
+0, centered RMSprop, a non-finite average...), the exact test decides, so a
+refusal and its message are what they always were: a dry run steps copies
+of the parameters and state, up to ``SEGMENT`` elements at a time in shared
+scratch buffers, and checks every result (finite, and torch must not
+raise); then the real step runs. The optimizers are element-wise, so the
+copies get exactly the values the real step writes. The two are
+equivalent: a proved round is finite, so the dry run would accept it too,
+and the step is the same call; the proof only decides which rounds skip
+the dry run.
+
+If torch raises in the real step anyway (a state that does not fit the
+settings), the step counts it incremented and the state it created for
+first-time keys are put back and the round is refused; the fused kernels
+check their arguments before they write.
 
 Clipping and loss scaling follow ``torch.nn.utils.clip_grad_norm_`` and
 ``torch.amp.GradScaler`` over the averaged gradient: :meth:`ShardOptimizer.report`
@@ -30,11 +54,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import OptimizerSpecError, build_optimizer
+from shardps.server.dense import bounds
 
 #: Elements per dry-run batch (1 MiB of fp32: parameters, gradients and state stay in cache).
 SEGMENT = 1 << 18
@@ -111,6 +137,9 @@ class ShardOptimizer:
         # scratch shared by every group's dry run: (1 + state buffers) x SEGMENT x 4 bytes
         self._scratch = torch.empty(SEGMENT)
         self._state_scratch: dict[str, torch.Tensor] = {}
+        self._bounds: dict[int, bounds.Bounds] = {}  # per group; missing: measure before the next proof
+        #: Rounds proved finite / decided by the exact dry run (for tests and benchmarks).
+        self.proved = self.dry_runs = 0
 
     @staticmethod
     def trial(spec: pb.OptimizerSpec) -> int:
@@ -196,37 +225,111 @@ class ShardOptimizer:
         return norms.pow(norm_type).sum().item(), False
 
     def apply(self, grads: dict[int, torch.Tensor], present: Collection[int], lrs: Sequence[float],
-              clip_coef: float = 1.0, check: bool = True) -> None:
+              clip_coef: float = 1.0, check: bool = True, grad_bound: float | None = None) -> None:
         """Step the keys in ``present`` with the averaged ``grads`` (times ``clip_coef``), or refuse.
 
         Args:
-            grads: the average, ``{group: 1-D float32}`` shaped like ``params``.
+            grads: the average, ``{group: 1-D float32}`` shaped like ``params``
+                (the slices of keys not in ``present`` hold zeros, or anything finite).
             present: plan indices of the keys with a gradient this round; the others
                 get ``grad = None`` and torch leaves them and their state alone.
             lrs: learning rate of every param group of the model (indexed by group).
             clip_coef: clip_grad_norm_'s clamped coefficient (1 when not clipping).
-            check: run the dry run first (off only with ``--allow-nonfinite``).
+            check: prove the update finite, or run the dry run, first (off only
+                with ``--allow-nonfinite``).
+            grad_bound: an upper bound on ``|g|`` over the present slices of
+                ``grads`` (before ``clip_coef``), from where the gradient was made
+                (:func:`~shardps.server.dense.bounds.average_bound`); None: one pass
+                over ``grads`` measures it.
 
         Raises:
             RoundRefused: the new parameters or optimizer state would not be
-                finite, or torch raised in the dry run; nothing changed.
+                finite, or torch raised; nothing changed.
         """
         if self.optimizer is None:  # this shard holds no parameter elements
             return
         if clip_coef != 1.0:
             torch._foreach_mul_(self._present_grads(grads, present), clip_coef)
+        param_groups = self.optimizer.param_groups
+        lrs_before = [pg["lr"] for pg in param_groups]
         for local, g in enumerate(self.groups):
-            self.optimizer.param_groups[local]["lr"] = lrs[g]
+            param_groups[local]["lr"] = lrs[g]
+        stepped = set()
         for k, view in self.views.items():
             group, start, end = self.slices[k]
             view.grad = grads[group][start:end] if k in present else None
+            if k in present:
+                stepped.add(group)
         try:
-            if check:
+            if not check:
+                self._bounds.clear()
+                self.optimizer.step()
+                return
+            if grad_bound is not None:
+                grad_bound *= max(1.0, abs(clip_coef)) * (1.0 + 2.0**-20)
+            proved = self._prove(grads, stepped, grad_bound)
+            if proved is None:
                 self._dry_run()
-            self.optimizer.step()
+            self._step()
+            if proved is None:
+                self._bounds.clear()  # the bounds did not hold: measure again next round
+                self.dry_runs += 1
+            else:
+                self._bounds.update({g: replace(b, version=self.params[g]._version) for g, b in proved.items()})
+                self.proved += 1
+        except BaseException:
+            for pg, lr in zip(param_groups, lrs_before):
+                pg["lr"] = lr
+            raise
         finally:
             for view in self.views.values():
                 view.grad = None
+
+    def _prove(self, grads: dict[int, torch.Tensor], stepped: Collection[int],
+               grad: float | None) -> dict[int, bounds.Bounds] | None:
+        """Each stepped group's bounds after this round, or None if they do not prove it finite."""
+        cls = type(self.optimizer).__name__
+        groups = [(local, g) for local, g in enumerate(self.groups) if g in stepped]
+        if grad is None:
+            grad = bounds.grad_bound(grads[g] for _, g in groups)
+        proved = {}
+        for local, g in groups:
+            hyper = self.optimizer.param_groups[local]
+            try:  # with all-zero parameters and state: if even that fails, measuring cannot help
+                bounds.propagate(cls, bounds.Bounds(p=0.0, nonneg=bounds.NONNEG, k=0.0), grad, hyper)
+            except bounds.Unprovable:
+                return None
+            b = self._bounds.get(g)
+            for _ in range(2):
+                if b is None or b.version != self.params[g]._version:
+                    b = bounds.measure(self.optimizer, (self.views[k] for k in self.keys_of[g]), self.params[g],
+                                       hyper.get("eps"))
+                    self._bounds[g] = b
+                try:
+                    proved[g] = bounds.propagate(cls, b, grad, hyper)
+                    break
+                except bounds.Unprovable:
+                    if b.fresh:
+                        return None
+                    b = None  # bounds grown over many rounds: measure the buffers and try once more
+        return proved
+
+    def _step(self) -> None:
+        """``optimizer.step()``; if torch raises, put back the step counts and first-time state, and refuse."""
+        state = self.optimizer.state
+        stepped = [v for v in self.views.values() if v.grad is not None]
+        fresh = [v for v in stepped if not state.get(v)]
+        steps = [st["step"] for v in stepped if isinstance((st := state.get(v, {})).get("step"), torch.Tensor)]
+        saved = [s.clone() for s in steps] if len(steps) < 64 else torch.stack(steps)
+        try:
+            self.optimizer.step()
+        except Exception as exc:
+            for view in fresh:
+                state.pop(view, None)
+            for s, old in zip(steps, saved):
+                s.copy_(old)
+            self._bounds.clear()
+            raise RoundRefused(f"torch.optim.{type(self.optimizer).__name__}.step() raised: {exc}") from None
 
     def _trial_optimizer(self, local: int) -> torch.optim.Optimizer:
         """The scratch optimizer the dry run steps for group ``local``, hyperparameters as the live group's."""
@@ -379,6 +482,7 @@ class ShardOptimizer:
         if changed and not compare_only:
             current.clear()
             current.update(new)
+            self._bounds.clear()
         return changed
 
     def digest(self, version: int) -> str:
