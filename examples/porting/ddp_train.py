@@ -112,4 +112,5 @@ while step < args.steps:
             break
     epoch += 1
 log(f"final loss {loss.item():.6f} at step {step}")
+dist.barrier()  # every rank is done (rank 0 may still be saving) before the group is torn down
 dist.destroy_process_group()

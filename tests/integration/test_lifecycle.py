@@ -26,10 +26,10 @@ def test_resume_refuse_reset(start_cluster) -> None:
     first = run_worker(cluster.servers, "w0", 3)
     assert first.returncode == 0 and "joined version=0 resumed=False" in first.stdout, first.stderr[-2000:]
 
-    again = run_worker(cluster.servers, "w0", 2)  # the same job, run again: it resumes, and says so
+    again = run_worker(cluster.servers, "w0", 2, "--log-info")  # the same job, run again: it resumes, and says so
     assert again.returncode == 0, again.stderr[-2000:]
     assert "joined version=3 resumed=True" in again.stdout and "done version=5" in again.stdout
-    assert "resumes the job the shards hold, at version 3" in again.stderr
+    assert "INFO worker w0 joined a running job" in again.stderr and "at version 3 (sync mode, resumed)" in again.stderr
 
     other = run_worker(cluster.servers, "w0", 2, "--width", "30")  # another model on busy shards
     assert other.returncode == 3 and "shardps reset --servers" in other.stderr, other.stderr[-2000:]
