@@ -62,6 +62,7 @@ from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, 
 from shardps.server.membership.members import Member, Membership
 from shardps.server.metrics import ShardMetrics
 from shardps.server.consistency.modes import Mode, StalenessHistogram
+from shardps.server.dense.bounds import average_bound
 from shardps.server.dense.optimizer import RoundRefused, ShardOptimizer, average_
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class _Pushed:
     trailer: pb.RoundTrailer
     scaled: bool
     hyperparams: list[dict] | None
+    grad_bound: float | None = None  # |g| bound over its chunks, measured as they arrived (None: not measured)
 
 
 @dataclass(eq=False)
@@ -293,7 +295,8 @@ class Rounds:
             member.pushing = None
         member.staging, member.arena, member.last_round, member.failed = staging, arena, rnd, None
         self.pushes_accepted += 1
-        self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams)
+        self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams,
+                                                rx.grad_bound if rx.reject_nonfinite else None)
         needs_commit = _needs_commit(trailer)
         task = self.maybe_apply()
         if task is not None and not needs_commit and self.mode.synchronous:
@@ -370,7 +373,10 @@ class Rounds:
                 if closed.lead.hyperparams is not None:
                     self.optimizer.set_hyperparams(closed.lead.hyperparams)
                 if not skip:
-                    self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef, self.config.reject_nonfinite)
+                    bounds = [p.grad_bound for p in pushes]
+                    bound = None if None in bounds else average_bound(bounds, lead.inv_scale)
+                    self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef, self.config.reject_nonfinite,
+                                         grad_bound=bound)
                 if closed.arenas[0] is not None:
                     self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
                 self.snapshot_version = self.version + 1  # read by snapshots on this (compute) thread

@@ -15,6 +15,7 @@ import torch
 
 from shardps.common.codec import TORCH_DTYPES, DecodedFrame, FrameError, copy_payload, encode_chunk
 from shardps.common.plan import Chunk, PartitionPlan
+from shardps.server.dense.bounds import grad_bound
 from shardps.server.checks import decode, shown
 from shardps.server.errors import InvalidArgument
 
@@ -150,6 +151,8 @@ class Receiver:
     ) -> None:
         self.table, self.version, self.into, self.buffers_into, self.what = table, version, into, buffers_into, what
         self.reject_nonfinite = reject_nonfinite
+        #: with ``reject_nonfinite``: an upper bound on |g| over every chunk received (bounds.grad_bound)
+        self.grad_bound = 0.0
         self.seen = bytearray(len(table.chunks))
         self.seen_buffers = bytearray(len(table.buffer_chunks))
         self.received = 0
@@ -189,7 +192,10 @@ class Receiver:
                                           "gradients travel as FLOAT32, BFLOAT16 or FLOAT16")
                 dst = self.table.view(self.into, self.table.chunks[index])
                 copy_payload(h, frame.payload, dst)
-                if self.reject_nonfinite and not math.isfinite(dst.sum().item()) and not bool(torch.isfinite(dst).all()):
+                # one pass while the chunk is in cache: the bound the update's finite proof starts from
+                bound = grad_bound((dst,)) if self.reject_nonfinite else 0.0
+                self.grad_bound = max(self.grad_bound, bound)
+                if self.reject_nonfinite and not math.isfinite(bound) and not bool(torch.isfinite(dst).all()):
                     raise InvalidArgument(
                         f"{what}: values of key {h.key!r} (elements {h.offset}..{h.offset + h.numel}) hold NaN or Inf"
                     )
