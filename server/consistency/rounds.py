@@ -370,13 +370,20 @@ class Rounds:
                 skip, clip_coef = commit.skip, commit.clip_coef or 1.0
 
             def step() -> None:
+                before = None
                 if closed.lead.hyperparams is not None:
+                    before = self.optimizer.saved_hyperparams()
                     self.optimizer.set_hyperparams(closed.lead.hyperparams)
-                if not skip:
-                    bounds = [p.grad_bound for p in pushes]
-                    bound = None if None in bounds else average_bound(bounds, lead.inv_scale)
-                    self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef, self.config.reject_nonfinite,
-                                         grad_bound=bound)
+                try:
+                    if not skip:
+                        bounds = [p.grad_bound for p in pushes]
+                        bound = None if None in bounds else average_bound(bounds, lead.inv_scale)
+                        self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef,
+                                             self.config.reject_nonfinite, grad_bound=bound)
+                except BaseException:
+                    if before is not None:  # a refused round changes nothing: its hyperparameters neither
+                        self.optimizer.set_hyperparams(before)
+                    raise
                 if closed.arenas[0] is not None:
                     self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
                 self.snapshot_version = self.version + 1  # read by snapshots on this (compute) thread

@@ -182,6 +182,13 @@ class ShardOptimizer:
         for local, g in enumerate(self.groups):
             self.optimizer.param_groups[local].update({k: v for k, v in groups[g].items() if k not in _IMPL_KEYS})
 
+    def saved_hyperparams(self) -> dict[int, dict]:
+        """``{group: {name: value}}`` exactly as the optimizer holds them, for :meth:`set_hyperparams` to put back."""
+        if self.optimizer is None:
+            return {}
+        return {g: {k: v for k, v in self.optimizer.param_groups[local].items() if k not in _IMPL_KEYS}
+                for local, g in enumerate(self.groups)}
+
     def hyperparams(self) -> dict[int, dict]:
         """``{group: {name: value}}`` of the groups this shard steps, as the next round would use them (JSON-able)."""
         if self.optimizer is None:

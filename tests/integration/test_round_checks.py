@@ -100,6 +100,21 @@ def test_overflowing_average_is_refused_for_every_pusher(start_cluster) -> None:
     assert_matches(pulled(a, 1), torch_step(m, sgd, 0.5))
 
 
+def test_refused_round_keeps_the_hyperparameters_it_carried_out(start_cluster) -> None:
+    """A round refused for a non-finite update changes nothing, the hyperparameters it carried included:
+    the next valid round is applied with the old ones (weight decay 0, not the refused round's 5)."""
+    _, client, (a,), m, _ = start(start_cluster, sgd)
+    before = snapshot(client)
+    bad = ['{"lr": 1e38, "momentum": 0.9, "weight_decay": 5.0, "dampening": 0.0, "nesterov": false, '
+           '"maximize": false}']
+    with pytest.raises(ShardRpcError, match="would make the parameters non-finite"):
+        a.push(0, fill=10.0, lrs=[1e38], trailer={"group_hyperparams_json": bad})
+    assert snapshot(client) == before
+    assert a.push(0, fill=0.5, lrs=[0.1]).version == 1
+    assert_matches(pulled(a, 1), torch_step(m, sgd, 0.5))
+    assert client.stats().version == 1
+
+
 @pytest.mark.parametrize("make, bad_fill, bad_lr, message, good_fill, good_lr", [
     # SGD lr 1e38 x gradient 10: finite inputs, the new parameters overflow
     (lambda params: torch.optim.SGD(params, lr=1.0), 10.0, 1e38,

@@ -175,6 +175,8 @@ class RoundSteps:
             if not failed:
                 self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
                                         sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))
+            if failed:
+                self._hyperparams.resend()  # a refused round changed no hyperparameter on its shards
             rejoined, down, other = self._recovery.recover(failed) if failed else ({}, [], [])
             self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
             if other or down:

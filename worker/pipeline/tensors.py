@@ -71,3 +71,7 @@ class HyperparamChanges:
         self._sent = current
         return [json.dumps({**hp, "lr": float(g["lr"])}, sort_keys=True)
                 for hp, g in zip(current, self.optimizer.param_groups)]
+
+    def resend(self) -> None:
+        """A round failed: the shards may not have taken what it carried, so the next round sends every group's."""
+        self._sent = None
