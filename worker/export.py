@@ -15,6 +15,15 @@ older checkpoint, see ``shardps.worker.session.recovery``), naming each shard's
 version, unless ``allow_mixed_versions``. From checkpoints, the newest
 intact checkpoint of each shard is taken, or the one of ``version``.
 
+Mix-ups are refused, never exported: each shard's checkpoint must have been
+written by that shard (the index and shard count its manifest records, see
+``shardps.common.checkpoint``) of one job and plan; with ``num_shards`` the
+plan must have that many shards; with ``model`` (a module or a
+``state_dict``) every parameter and buffer of the plan must be in the model
+with the same shape (:func:`check_plan` names the first that is not, with
+the shape and element count expected and found). The model's entries that
+are not in the plan (parameters outside the optimizer) are taken from it.
+
 Never pickle: checkpoints are read with safetensors, and the output is
 written with safetensors (``.safetensors``) or ``torch.save`` of plain
 tensors (``.pt``, loadable with ``torch.load(weights_only=True)``).
@@ -23,6 +32,7 @@ tensors (``.pt``, loadable with ``torch.load(weights_only=True)``).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +40,7 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.addresses import parse_servers
-from shardps.common.checkpoint import newest
+from shardps.common.checkpoint import find
 from shardps.common.codec import TORCH_DTYPES
 from shardps.common.plan import PartitionPlan
 from shardps.common.security import ChannelSecurity
@@ -77,30 +87,70 @@ def _empty(plan: PartitionPlan) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return params, buffers
 
 
-def _finish(params: dict, buffers: dict, model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+Model = torch.nn.Module | Mapping[str, torch.Tensor]
+
+
+def _model_state(model: Model | None) -> Mapping[str, torch.Tensor] | None:
+    return model.state_dict() if isinstance(model, torch.nn.Module) else model
+
+
+def check_plan(plan: PartitionPlan, *, model: Model | None = None, num_shards: int | None = None,
+               source: str = "the job") -> None:
+    """Refuse to export ``plan`` for another model or shard count.
+
+    Args:
+        plan: the job's partition plan (from a checkpoint or a live shard).
+        model: the model the export is for (a module, or its ``state_dict``); None: not checked.
+        num_shards: the shard count expected; None: not checked.
+        source: what the plan came from, for the message.
+
+    Raises:
+        RuntimeError: another shard count, or the first parameter (then buffer), in plan
+            order, that the model lacks or holds with another shape; the message names it
+            with the shape and element count expected (the model's) and found (the plan's).
+    """
+    if num_shards is not None and plan.num_shards != num_shards:
+        raise RuntimeError(f"{source} has {plan.num_shards} shards, not {num_shards}: expected {num_shards} "
+                           f"shards, found {plan.num_shards}")
+    state = _model_state(model)
+    if state is None:
+        return
+    for kind, entries in (("parameter", plan.keys), ("buffer", plan.buffers)):
+        for entry in entries:
+            value = state.get(entry.key)
+            found = f"found shape {entry.shape} (numel {entry.numel}) in the plan of {source}"
+            if value is None:
+                raise RuntimeError(f"the plan of {source} does not match the model: {kind} {entry.key!r} is not "
+                                   f"in the model; {found}")
+            if tuple(value.shape) != entry.shape:
+                raise RuntimeError(f"the plan of {source} does not match the model: {kind} {entry.key!r}: expected "
+                                   f"shape {tuple(value.shape)} (numel {value.numel()}) from the model, {found}")
+
+
+def _finish(params: dict, buffers: dict, model: Model | None) -> dict[str, torch.Tensor]:
     state = {**params, **buffers}
-    if model is not None:
-        for name, value in model.state_dict().items():
-            state.setdefault(name, value.detach().clone())
+    for name, value in (_model_state(model) or {}).items():
+        state.setdefault(name, value.detach().clone())
     return state
 
 
-def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = None, wait_seconds: float = 30.0,
+def from_servers(servers: list[str] | str, *, model: Model | None = None, wait_seconds: float = 30.0,
                  allow_mixed_versions: bool = False, rpc_timeout: float = 60.0,
                  connect_timeout: float = 10.0, security: ChannelSecurity | None = None) -> Export:
     """Read every live shard's partition (no membership needed) and assemble the model state.
 
     Args:
         servers: shard addresses in shard order (a list or ``"host:port,..."``).
-        model: fills in entries the shards do not hold (parameters outside the optimizer).
+        model: the model exported for (a module or its ``state_dict``): the plan must match it
+            (:func:`check_plan`), and it fills in entries the shards do not hold (parameters outside the optimizer).
         wait_seconds: how long to wait for the shards to agree on a version.
         allow_mixed_versions: return shards at different versions instead of refusing.
         rpc_timeout, connect_timeout: seconds per call, and to wait for each shard to answer.
         security: TLS / mutual TLS / bearer token of the channels (default: plaintext, no token).
 
     Raises:
-        RuntimeError: the shards serve different jobs or plans, hold no job, or
-            stay at different versions (the message names them and the flag).
+        RuntimeError: the shards serve different jobs or plans, hold no job, hold a plan that
+            does not match ``model`` or stay at different versions (the message names them and the flag).
         ShardRpcError: a shard refused or could not be reached (after retries).
         ConnectionError: a shard did not answer at all.
     """
@@ -115,6 +165,7 @@ def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = No
         plan = PartitionPlan.from_proto(stats[0].plan)
         if plan.num_shards != len(clients):
             raise RuntimeError(f"the job has {plan.num_shards} shards; {len(clients)} addresses were given")
+        check_plan(plan, model=model, source=f"the job {stats[0].job_id} the shards hold")
         deadline = time.monotonic() + wait_seconds
         while True:
             params, buffers = _empty(plan)
@@ -136,35 +187,44 @@ def from_servers(servers: list[str] | str, *, model: torch.nn.Module | None = No
 
 
 def from_checkpoints(directory: str | Path, num_shards: int | None = None, *, version: int = 0,
-                     model: torch.nn.Module | None = None, allow_mixed_versions: bool = False) -> Export:
+                     model: Model | None = None, allow_mixed_versions: bool = False) -> Export:
     """Assemble the model state from the shards' checkpoints under ``directory`` (the shards' ``--checkpoint-dir``).
 
     Args:
         directory: holds ``shard-0``, ``shard-1``, ... (one per shard).
         num_shards: expected shard count (default: the plan's).
         version: take each shard's checkpoint of exactly this version (0: the newest intact one of each).
-        model, allow_mixed_versions: as :func:`from_servers`.
+        model, allow_mixed_versions: as :func:`from_servers` (the plan must match ``model``).
 
     Raises:
-        FileNotFoundError: a shard has no intact checkpoint (of ``version``).
-        RuntimeError: the checkpoints belong to different jobs, or are at different versions.
+        FileNotFoundError: a shard has no intact checkpoint (of ``version``); the message names the damaged ones.
+        shardps.common.checkpoint.ForeignCheckpoint: (a ``ValueError``) ``shard-<i>`` holds a checkpoint
+            written by another shard index or for another shard count (expected and found named).
+        RuntimeError: the checkpoints belong to different jobs or plans, are at different
+            versions, or their plan does not match ``num_shards`` or ``model`` (:func:`check_plan`).
     """
     directory = Path(directory)
     snaps, plan = [], None
     shard = 0
     while plan is None or shard < plan.num_shards:
-        snap = newest(directory / f"shard-{shard}", version)
+        where = directory / f"shard-{shard}"
+        found = find(where, shard_index=shard, num_shards=plan.num_shards if plan else num_shards, at_most=version)
+        snap = found.snapshot
         if snap is None or (version and snap.version != version):
-            raise FileNotFoundError(f"no intact checkpoint{f' of version {version}' if version else ''} in "
-                                    f"{directory / f'shard-{shard}'}")
+            damaged = "; ".join(f"{p.name}: {reason}" for p, reason in found.skipped)
+            raise FileNotFoundError(f"no intact checkpoint{f' of version {version}' if version else ''} in {where}"
+                                    + (f" (damaged: {damaged})" if damaged else ""))
         if plan is None:
             plan = PartitionPlan.from_proto(pb.PlanSpec.FromString(snap.plan))
-            if num_shards is not None and plan.num_shards != num_shards:
-                raise RuntimeError(f"the checkpoints are of a job with {plan.num_shards} shards, not {num_shards}")
+            if plan.fingerprint != snap.fingerprint:
+                raise RuntimeError(f"{found.path}: its plan does not match its fingerprint {snap.fingerprint}")
+            check_plan(plan, model=model, num_shards=num_shards,
+                       source=f"the checkpoints in {directory} (job {snap.job_id})")
         snaps.append(snap)
         shard += 1
     if len({(s.job_id, s.fingerprint) for s in snaps}) != 1:
-        raise RuntimeError(f"the checkpoints belong to different jobs: {[s.job_id for s in snaps]}")
+        raise RuntimeError("the checkpoints belong to different jobs or plans: "
+                           f"{[(f'shard-{i}', s.job_id, s.fingerprint[:12]) for i, s in enumerate(snaps)]}")
     versions = [s.version for s in snaps]
     if len(set(versions)) != 1 and not allow_mixed_versions:
         raise RuntimeError(f"the shards' newest checkpoints are at versions {versions}: pass version=V "

@@ -12,6 +12,14 @@ rounds applied since the newest checkpoint.
 A shard started on a directory holding checkpoints restores the newest
 intact one before it serves (job, plan, optimizer and its state, buffers,
 hyperparameters, version), so workers that join again resume the job.
+Newer damaged checkpoints are skipped (the log names each with the reason,
+and the one loaded) and moved to ``shard-<index>/damaged/``. The shard
+refuses to start (exit 1, naming expected and found) on a checkpoint
+another shard index, or a job with another shard count, wrote; and when
+checkpoints are there but none is intact it refuses to start empty (which
+would let the next worker begin a new job over them), naming the directory
+and every damaged file, unless ``--start-empty-over-damaged-checkpoints``
+(then a WARNING, and the damaged files are moved aside).
 The checkpoint records the job's members: the restored shard's rounds wait
 up to one lease for them to join again (``Rounds.await_rejoin``), so the
 first worker back does not make a round alone.
@@ -57,14 +65,13 @@ class Checkpoints:
         """Restore the newest intact checkpoint (before serving), then checkpoint on schedule.
 
         Raises:
-            RuntimeError: a checkpoint that is intact but does not fit this shard.
+            RuntimeError: a checkpoint that is intact but does not fit this shard or was written by
+                another one; or checkpoints there but none intact (see :meth:`_find`).
         """
         store, cfg = self.store, self.store.config
         if self.directory is None:
             return
-        snap = await store.run(checkpoint.newest, self.directory, cfg.restore_version)
-        if snap is None and cfg.restore_version:
-            raise RuntimeError(f"no intact checkpoint of version <= {cfg.restore_version} in {self.directory}")
+        snap = await store.run(self._find)
         if snap is not None:
             try:
                 await store.restore_job(snap)
@@ -76,6 +83,56 @@ class Checkpoints:
                 store.rounds.await_rejoin(snap.members, cfg.lease_seconds)
         if cfg.checkpoint_every_rounds or cfg.checkpoint_every_seconds:
             self._task = asyncio.get_running_loop().create_task(self._on_schedule())
+
+    def _find(self) -> checkpoint.Snapshot | None:
+        """The checkpoint to restore (on the compute thread), skipped ones logged and moved aside.
+
+        Raises:
+            RuntimeError: a checkpoint of another shard; none intact of ``--restore-version``;
+                checkpoints there but none intact, without ``--start-empty-over-damaged-checkpoints``;
+                damaged files that could not be moved aside.
+        """
+        try:
+            return self._choose()
+        except OSError as exc:
+            raise RuntimeError(f"shard {self.store.config.shard_index}: moving damaged checkpoints aside in "
+                               f"{self.directory} failed: {exc}") from None
+
+    def _choose(self) -> checkpoint.Snapshot | None:
+        cfg, directory = self.store.config, self.directory
+        try:
+            found = checkpoint.find(directory, shard_index=cfg.shard_index, num_shards=cfg.num_shards,
+                                    at_most=cfg.restore_version)
+        except checkpoint.ForeignCheckpoint as exc:
+            raise RuntimeError(f"shard {cfg.shard_index}: {exc}") from None
+        for path, reason in found.skipped:
+            log.warning("shard %d: skipping checkpoint %s: %s", cfg.shard_index, path, reason)
+        damaged = "; ".join(f"{path.name}: {reason}" for path, reason in found.skipped)
+        if found.snapshot is None and cfg.restore_version:
+            raise RuntimeError(f"no intact checkpoint of version <= {cfg.restore_version} in {directory}"
+                               + (f" (damaged: {damaged})" if damaged else ""))
+        if found.snapshot is None and found.present:
+            if not cfg.start_empty_over_damaged_checkpoints:
+                raise RuntimeError(
+                    f"shard {cfg.shard_index}: {directory} holds checkpoints but none is intact ({damaged}). The "
+                    "shard does not start empty over them (the next worker would begin a new job in their "
+                    "place): put intact files back, or start over on purpose with "
+                    "--start-empty-over-damaged-checkpoints")
+            aside = checkpoint.set_aside(directory, [p for p, _ in found.skipped])
+            log.warning("shard %d: starting EMPTY although %s holds checkpoints, none of them intact, as "
+                        "--start-empty-over-damaged-checkpoints asks: the job they held is not restored; the "
+                        "damaged files were moved to %s", cfg.shard_index, directory, aside)
+            return None
+        if found.snapshot is not None:
+            if found.skipped:
+                aside = checkpoint.set_aside(directory, [p for p, _ in found.skipped])
+                log.warning("shard %d: loaded checkpoint %s (version %d), the newest intact one; skipped %s "
+                            "(moved to %s)", cfg.shard_index, found.path, found.snapshot.version,
+                            ", ".join(p.name for p, _ in found.skipped), aside)
+            else:
+                log.info("shard %d: loaded checkpoint %s (version %d)", cfg.shard_index, found.path,
+                         found.snapshot.version)
+        return found.snapshot
 
     def _due(self) -> bool:
         store, cfg = self.store, self.store.config
@@ -124,6 +181,7 @@ class Checkpoints:
                 version=store.version, job_id=job.job_id, fingerprint=job.fingerprint,
                 initialised_by=job.initialised_by, plan=job.plan_bytes, spec=job.spec.SerializeToString(),
                 static_digest=job.static_digest, hyperparams=rounds.optimizer.hyperparams(), tensors=tensors,
+                shard_index=store.config.shard_index, num_shards=store.config.num_shards,
                 members=self.store.members.ids(),
             )
             started = time.monotonic()
