@@ -5,15 +5,16 @@
     shardps train digits --servers host:port,... --workers N --worker-index I   # one worker: I of N
     torchrun --nproc-per-node 2 --max-restarts 1 -m shardps.cli.main \
         train digits --servers host:port,... --worker-index env             # rank and size from the launcher
-    shardps stats --servers host:port,...                                   # one JSON array, a shard per object
+    shardps stats --servers host:port,... [--timeout 10]                    # one JSON array, a shard per object
     shardps health --servers host:port,... [--timeout 5] [--service NAME]   # exit 0 only if all SERVING
-    shardps reset --servers host:port,... [--job-id ID]
-    shardps checkpoint --servers host:port,...
+    shardps reset --servers host:port,... [--job-id ID] [--timeout 30]
+    shardps checkpoint --servers host:port,... [--timeout 120]
     shardps export (--servers host:port,... | --checkpoint-dir DIR [--version V]) --out model.safetensors
     shardps --version
 
 Every command that calls shards takes ``--tls-ca``, ``--tls-cert``,
-``--tls-key`` and ``--auth-token-file`` (``operator_cli.add_security_flags``);
+``--tls-key``, ``--auth-token-file`` and ``--allow-token-over-plaintext``
+(``operator_cli.add_security_flags``);
 ``train digits`` also ``--metrics-port``. The operator commands live in
 ``shardps.cli.operator``, which also holds the output rule: a reader
 that closes stdout early (``| head``) is not an error.
@@ -37,6 +38,7 @@ from pathlib import Path
 from shardps.common.addresses import parse_servers
 from shardps.common.version import shardps_version
 from shardps.cli import operator as operator_cli
+from shardps.cli.untrusted import MAX_TEXT_CHARS, printable
 
 
 def _servers(text: str) -> tuple[str, ...]:
@@ -294,8 +296,9 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    ``ValueError``, ``RuntimeError`` and ``ConnectionError`` become one
-    ``shardps: error: ...`` line on stderr and status 1. A closed stdout is
+    ``ValueError``, ``RuntimeError``, ``ConnectionError`` and ``TimeoutError``
+    become one ``shardps: error: ...`` line on stderr (control characters
+    escaped: it may quote a shard) and status 1. A closed stdout is
     never a traceback: output goes through :func:`operator_cli.say`, and a
     ``BrokenPipeError`` from anywhere else points stdout at /dev/null and
     exits 1 (the Python documentation's recipe for SIGPIPE).
@@ -307,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args)
         except BrokenPipeError:  # a ConnectionError too: must come first
             raise
-        except (ValueError, RuntimeError, ConnectionError) as exc:
-            print(f"shardps: error: {exc}", file=sys.stderr)
+        except (ValueError, RuntimeError, ConnectionError, TimeoutError) as exc:
+            # the message may quote a shard's reply: control characters escaped (shardps.cli.untrusted)
+            print(f"shardps: error: {printable(str(exc), one_line=False, limit=MAX_TEXT_CHARS)}", file=sys.stderr)
             return 1
     except BrokenPipeError:
         operator_cli.stdout_to_devnull()

@@ -1,15 +1,22 @@
 """Operator commands of the ``shardps`` CLI: ``stats``, ``health``, ``reset``, ``checkpoint`` and ``export``.
 
-    shardps stats --servers host:port,...
+    shardps stats --servers host:port,... [--timeout S]
     shardps health --servers host:port,... [--timeout S] [--service NAME]
-    shardps reset --servers host:port,... [--job-id ID]
-    shardps checkpoint --servers host:port,...
+    shardps reset --servers host:port,... [--job-id ID] [--timeout S]
+    shardps checkpoint --servers host:port,... [--timeout S]
     shardps export (--servers host:port,... | --checkpoint-dir DIR [--version V])
                    --out model.safetensors|model.pt [--allow-mixed-versions] [--wait-seconds S]
+                   [--num-shards N] [--model-state FILE] [--timeout S]
 
 Every command that talks to shards takes the security flags of
 :func:`add_security_flags` (``--tls-ca``, ``--tls-cert``, ``--tls-key``,
-``--auth-token-file``), matching the shards' own.
+``--auth-token-file``, ``--allow-token-over-plaintext``), matching the shards' own.
+
+A stuck or hostile server cannot hang or flood a command: ``--timeout S``
+(default per command, :data:`TIMEOUTS`) bounds the whole command, every
+shard being asked at once, and replies go through
+``shardps.cli.untrusted`` (sizes checked against the protocol's limits,
+control characters escaped before printing).
 
 Output goes through :func:`say`: a reader that closes stdout early
 (``shardps stats ... | head -c 10``) is not an error. As the Python
@@ -24,17 +31,23 @@ way and exits 1.
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
-from shardps.common.security import ChannelSecurity
+from shardps.cli.untrusted import bound, check_stats, checked_text, export_live, json_chunks, printable
+from shardps.common.security import INSECURE_FLAG, ChannelSecurity
 
 #: Exit status of ``health`` when some shard is not SERVING (0 when every shard is).
 UNHEALTHY = 1
+#: Default ``--timeout`` of each command, seconds: the whole command, every shard asked at once.
+TIMEOUTS = {"stats": 10.0, "health": 5.0, "reset": 30.0, "checkpoint": 120.0, "export": 300.0}
+#: Seconds a shard's thread gets past the deadline before the command reports it as not answering.
+_GRACE = 2.0
 
 
 def stdout_to_devnull() -> None:
@@ -70,8 +83,28 @@ def say(text: str) -> None:
         stdout_to_devnull()
 
 
+def say_chunks(chunks) -> None:
+    """Print the text pieces ``chunks`` and a newline, in writes of about 1 MiB (a long document is never whole).
+
+    A closed stdout sends the rest to ``/dev/null``, as :func:`say`.
+    """
+    pending, size = [], 0
+    try:
+        for piece in chunks:
+            pending.append(piece)
+            size += len(piece)
+            if size >= 1 << 20:
+                sys.stdout.write("".join(pending))
+                pending, size = [], 0
+        sys.stdout.write("".join(pending) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        stdout_to_devnull()
+
+
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--tls-ca``, ``--tls-cert``, ``--tls-key`` and ``--auth-token-file`` to a command that calls shards."""
+    """Add ``--tls-ca``, ``--tls-cert``, ``--tls-key``, ``--auth-token-file`` and ``--allow-token-over-plaintext``
+    to a command that calls shards."""
     g = parser.add_argument_group("security (match the shards' --tls-* and --auth-token-file)")
     g.add_argument("--tls-ca", default="", metavar="FILE",
                    help="PEM CA certificate that signed the shards' certificates; given: connect with TLS")
@@ -80,6 +113,9 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", default="", metavar="FILE", help="PEM private key of --tls-cert")
     g.add_argument("--auth-token-file", default="", metavar="FILE",
                    help="file holding the bearer token the shards require (sent as 'authorization: Bearer ...')")
+    g.add_argument(INSECURE_FLAG, action="store_true",
+                   help="send --auth-token-file without --tls-ca to shards that are not on a loopback address "
+                        "(refused otherwise: anyone on the path could read and replay the token); logs a WARNING")
 
 
 def _security_files(args: argparse.Namespace) -> dict[str, str]:
@@ -94,7 +130,8 @@ def security_from_args(args: argparse.Namespace) -> ChannelSecurity | None:
             (``ChannelSecurity.from_files`` names the flag).
     """
     files = _security_files(args)
-    return ChannelSecurity.from_files(**files) if any(files.values()) else None
+    allow = bool(getattr(args, "allow_token_over_plaintext", False))
+    return ChannelSecurity.from_files(**files, allow_token_over_plaintext=allow) if any(files.values()) else None
 
 
 def add_commands(sub, servers_type: Callable[[str], tuple[str, ...]]) -> None:
@@ -109,19 +146,16 @@ def add_commands(sub, servers_type: Callable[[str], tuple[str, ...]]) -> None:
                     "(snake_case field names), so the key order is the same on every call. Integers, including "
                     "64-bit counters, are JSON numbers; an unset message field (plan) is null; enums are names.")
     s.add_argument("--servers", type=servers_type, required=True, help="shards host:port,... in shard order")
-    s.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds each shard has to connect, and to answer (retries included) (default 10)")
     s.set_defaults(run=stats)
     h = sub.add_parser(
         "health", help="ask every shard's gRPC health service; exit 0 only if all are SERVING",
         description="Call grpc.health.v1.Health/Check on every shard (at once) and print one line per shard, "
                     "'shard I (HOST:PORT): STATE [(details)]', STATE being SERVING, NOT_SERVING (e.g. a shard "
-                    f"stopping), SERVICE_UNKNOWN, UNKNOWN, UNREACHABLE (no answer within --timeout) or ERROR. "
+                    f"stopping), SERVICE_UNKNOWN, UNKNOWN, UNKNOWN(N) (a status this command does not know), "
+                    "UNREACHABLE (no answer within --timeout) or ERROR. "
                     f"Exit status 0 if every shard is SERVING, {UNHEALTHY} otherwise. The health service needs no "
                     "token; a shard's --health-port is plaintext (no --tls-* flags for it).")
     h.add_argument("--servers", type=servers_type, required=True, help="shards host:port,... in shard order")
-    h.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds each shard has to answer (default 5); the shards are asked in parallel")
     h.add_argument("--service", default="",
                    help="service to ask about (default '': the whole server; or shardps.v1.Shard)")
     h.set_defaults(run=health)
@@ -144,68 +178,104 @@ def add_commands(sub, servers_type: Callable[[str], tuple[str, ...]]) -> None:
                    help="export shards at different versions instead of refusing")
     e.add_argument("--wait-seconds", type=float, default=30.0,
                    help="with --servers: how long to wait for the shards to agree on a version (default 30)")
+    e.add_argument("--num-shards", type=int, default=None,
+                   help="with --checkpoint-dir: refuse checkpoints of a job with another shard count "
+                        "(default: the count their plan records)")
+    e.add_argument("--model-state", type=Path, default=None, metavar="FILE",
+                   help="a state_dict of the model to export for (*.safetensors, or *.pt read with "
+                        "weights_only=True), e.g. its initial weights: refuse a plan whose parameters or buffers "
+                        "it lacks or holds with other shapes; its other entries fill in what the shards do not hold")
     e.set_defaults(run=export)
-    for command in (s, h, r, c, e):
+    for name, command in (("stats", s), ("health", h), ("reset", r), ("checkpoint", c), ("export", e)):
+        command.add_argument("--timeout", type=float, default=TIMEOUTS[name],
+                             help=f"seconds the whole command may take: connecting, calls and retries, every shard "
+                                  f"asked at once{', waiting included' if name == 'export' else ''}; a shard that "
+                                  f"has not answered by then is reported and the command exits 1 "
+                                  f"(default {TIMEOUTS[name]:g})")
         add_security_flags(command)
 
 
-def _json_scalar(field, value):
-    """One protobuf scalar as a JSON value: integers stay numbers, enums become names, bytes base64."""
-    if field.type == field.TYPE_ENUM:
-        entry = field.enum_type.values_by_number.get(value)
-        return entry.name if entry is not None else value
-    if field.type == field.TYPE_BYTES:
-        import base64
+def _deadline(args: argparse.Namespace) -> float:
+    """``time.monotonic()`` at which the command gives up (``--timeout`` from now).
 
-        return base64.b64encode(value).decode()
-    if field.type == field.TYPE_MESSAGE:
-        return message_dict(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")  # protobuf's JSON names
-    return value
-
-
-def message_dict(message) -> dict:
-    """A protobuf message as a dict ready for ``json.dumps``, keys in the order the .proto declares the fields.
-
-    Unlike ``MessageToDict``, 64-bit integers stay ``int`` (JSON numbers, not
-    strings) and every field is present: scalars and repeated fields at their
-    value (defaults included), a message or ``optional`` field that is not set
-    as None. Non-finite floats become ``"NaN"``/``"Infinity"``/``"-Infinity"``
-    (as protobuf's JSON mapping writes them), so the result is strict JSON.
+    Raises:
+        ValueError: ``--timeout`` is not a positive number of seconds.
     """
-    out = {}
-    for field in message.DESCRIPTOR.fields:
-        value = getattr(message, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            out[field.name] = {str(k): _json_scalar(value_field, v) for k, v in value.items()}
-        elif field.is_repeated:
-            out[field.name] = [_json_scalar(field, v) for v in value]
-        elif field.has_presence and not message.HasField(field.name):
-            out[field.name] = None
-        else:
-            out[field.name] = _json_scalar(field, value)
-    return out
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    return time.monotonic() + args.timeout
+
+
+def connect(index: int, address: str, deadline: float, security: ChannelSecurity | None):
+    """A ``ShardClient`` to shard ``index`` whose connect, calls and retries end by ``deadline``.
+
+    Raises:
+        ConnectionError: the shard did not answer by then. ValueError: the security settings refuse the address.
+    """
+    from shardps.worker.session.client import ShardClient
+
+    left = max(0.001, deadline - time.monotonic())
+    return bound(ShardClient(address, index=index, connect_timeout=left, security=security), deadline)
+
+
+def ask_all(servers: tuple[str, ...], ask: Callable[[int, str], object], deadline: float) -> list[tuple]:
+    """Run ``ask(index, address)`` for every shard at once, each in a daemon thread; ``[(result, error)]``.
+
+    A thread still running ``_GRACE`` seconds past ``deadline`` is left behind (daemon: it cannot keep the
+    process alive) and reported as a ``TimeoutError``.
+    """
+    results: list[tuple] = [(None, None)] * len(servers)
+
+    def run(i: int, address: str) -> None:
+        try:
+            results[i] = (ask(i, address), None)
+        except Exception as exc:  # reported per shard by the caller
+            results[i] = (None, exc)
+
+    threads = [threading.Thread(target=run, args=(i, a), daemon=True) for i, a in enumerate(servers)]
+    for t in threads:
+        t.start()
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline + _GRACE - time.monotonic()))
+        if t.is_alive():
+            results[i] = (None, TimeoutError(f"shard {i} ({servers[i]}) did not answer within --timeout"))
+    return results
+
+
+def _why(exc: BaseException, timeout: float) -> str:
+    """One safe line saying why a shard's call failed (its details escaped and cut)."""
+    details = getattr(exc, "details", None)
+    code = getattr(exc, "code", None)
+    if details is not None and code is not None and not callable(code):  # ShardRpcError
+        if code.name == "DEADLINE_EXCEEDED":
+            return f"no answer within --timeout {timeout:g}s (DEADLINE_EXCEEDED)"
+        return f"{code.name}: {printable(details)}"
+    return printable(str(exc))
 
 
 def stats(args: argparse.Namespace) -> int:
-    """Print every shard's Stats as one JSON array (see the ``stats`` parser's description)."""
-    from shardps.worker.session.client import ShardClient
-    from shardps.worker.session.retry import RetryPolicy
+    """Print every shard's Stats as one JSON array (see the ``stats`` parser's description).
 
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    security = security_from_args(args)
-    shards = []
-    for i, address in enumerate(args.servers):
-        client = ShardClient(address, index=i, connect_timeout=args.timeout, rpc_timeout=args.timeout,
-                             retry=RetryPolicy(total_seconds=args.timeout), security=security)
+    Raises:
+        ProtocolError, ShardRpcError, ConnectionError, TimeoutError: the first shard (in order) whose reply
+            is outside the protocol or that failed; nothing is printed then.
+    """
+    deadline, security = _deadline(args), security_from_args(args)
+
+    def ask(i: int, address: str):
+        client = connect(i, address, deadline, security)
         try:
-            shards.append({"address": address, **message_dict(client.stats())})
+            reply = client.stats()
         finally:
             client.close()
-    say(json.dumps(shards, indent=2, allow_nan=False))
+        check_stats(reply, i, address)
+        return reply
+
+    results = ask_all(args.servers, ask, deadline)
+    for reply, error in results:
+        if error is not None:
+            raise error
+    say_chunks(json_chunks([(a, reply) for a, (reply, _) in zip(args.servers, results)]))
     return 0
 
 
@@ -217,7 +287,7 @@ def _health_line(call, timeout: float) -> tuple[bool, str]:
     try:
         status = call.result()
     except grpc.RpcError as exc:
-        code, details = exc.code(), " ".join((exc.details() or "").split())
+        code, details = exc.code(), printable(" ".join((exc.details() or "").split()))
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return False, f"UNREACHABLE (no answer within {timeout:g}s)"
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -225,12 +295,15 @@ def _health_line(call, timeout: float) -> tuple[bool, str]:
         if code == grpc.StatusCode.NOT_FOUND:  # the health service knows no such service name
             return False, f"SERVICE_UNKNOWN ({details})"
         return False, f"ERROR ({code.name}: {details})"
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    names = health_pb2.HealthCheckResponse.ServingStatus
+    name = names.Name(status.status) if status.status in names.values() else f"UNKNOWN({status.status})"
     return status.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
 def health(args: argparse.Namespace) -> int:
     """Check every shard's gRPC health; a line per shard; 0 if all are SERVING, else :data:`UNHEALTHY`.
+
+    The token is never sent: the health service needs none.
 
     Raises:
         ValueError: ``--timeout`` is not positive, or a security flag is wrong.
@@ -239,9 +312,8 @@ def health(args: argparse.Namespace) -> int:
 
     from shardps.common.transport import channel_options
 
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    security = security_from_args(args) or ChannelSecurity()
+    _deadline(args)
+    security = dataclasses.replace(security_from_args(args) or ChannelSecurity(), token=None)
     request = health_pb2.HealthCheckRequest(service=args.service)
     channels, calls = [], []
     try:
@@ -258,69 +330,104 @@ def health(args: argparse.Namespace) -> int:
     return 0 if all(serving for serving, _ in results) else UNHEALTHY
 
 
-def each_shard(servers: tuple[str, ...], call, refused: str, rpc_timeout: float = 10.0,
-               security: ChannelSecurity | None = None) -> int:
-    """Run ``call(client) -> line`` on every shard in turn, printing a line per shard.
+def each_shard(args: argparse.Namespace, call: Callable, refused: str) -> int:
+    """Run ``call(client, index, address) -> line`` on every shard of ``args.servers`` at once, within
+    ``args.timeout``; print a line per shard in shard order.
 
-    A shard that refuses (``ShardRpcError``) gets ``"<refused>: <details>"`` on
-    stderr and the others are still asked.
+    A shard that refuses, answers outside the protocol or does not answer in time gets
+    ``"shard I (ADDRESS): <refused>: <why>"`` on stderr (its text escaped); the others are still asked.
 
     Returns:
-        The exit code: 1 if any shard refused, else 0.
+        The exit code: 1 if any shard failed, else 0.
     """
-    from shardps.worker.session.client import ShardClient, ShardRpcError
+    deadline, security = _deadline(args), security_from_args(args)
 
-    failed = 0
-    for i, address in enumerate(servers):
-        client = ShardClient(address, index=i, connect_timeout=10.0, rpc_timeout=rpc_timeout, security=security)
+    def ask(i: int, address: str) -> str:
+        client = connect(i, address, deadline, security)
         try:
-            say(f"shard {i} ({address}): {call(client)}")
-        except ShardRpcError as exc:
-            failed += 1
-            print(f"shard {i} ({address}): {refused}: {exc.details}", file=sys.stderr)
+            return call(client, i, address)
         finally:
             client.close()
-    return 1 if failed else 0
+
+    results = ask_all(args.servers, ask, deadline)
+    for i, (address, (line, error)) in enumerate(zip(args.servers, results)):
+        if error is None:
+            say(f"shard {i} ({address}): {line}")
+        else:
+            print(f"shard {i} ({address}): {refused}: {_why(error, args.timeout)}", file=sys.stderr)
+    return 1 if any(error is not None for _, error in results) else 0
 
 
 def reset(args: argparse.Namespace) -> int:
     """Reset every shard; a line per shard; exit 1 if any refused (a busy shard is left as it was)."""
-    def call(client) -> str:
+    def call(client, i: int, address: str) -> str:
         reply = client.reset(args.job_id)
-        return f"job {reply.job_id} dropped at version {reply.version}" if reply.job_id else "held no job"
+        job = printable(checked_text(reply.job_id, "job id", i, address))
+        return f"job {job} dropped at version {reply.version}" if reply.job_id else "held no job"
 
-    return each_shard(args.servers, call, "not reset", security=security_from_args(args))
+    return each_shard(args, call, "not reset")
 
 
 def checkpoint(args: argparse.Namespace) -> int:
     """Ask every shard for a checkpoint; a line per shard; exit 1 if any refused."""
-    def call(client) -> str:
+    def call(client, i: int, address: str) -> str:
         reply = client.checkpoint()
-        return f"checkpoint of version {reply.version} in {reply.path}"
+        path = printable(checked_text(reply.path, "checkpoint path", i, address), limit=len(reply.path))
+        return f"checkpoint of version {reply.version} in {path}"
 
-    return each_shard(args.servers, call, "no checkpoint", rpc_timeout=300.0, security=security_from_args(args))
+    return each_shard(args, call, "no checkpoint")
+
+
+def _model_state(path: Path) -> dict:
+    """The state_dict in ``path`` (``--model-state``): safetensors, or ``torch.load(weights_only=True)``.
+
+    Raises:
+        ValueError: the file cannot be read as a state_dict (the message names it).
+    """
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing file, not safetensors, pickle refused by weights_only: one message
+        raise ValueError(f"--model-state {path}: cannot be read as a state_dict "
+                         f"({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"--model-state {path}: not a state_dict of tensors")
+    return state
 
 
 def export(args: argparse.Namespace) -> int:
-    """Assemble the state_dict and write it to ``args.out`` (nothing is written when refused)."""
-    from shardps.worker import export as exporting
+    """Assemble the state_dict and write it to ``args.out`` (nothing is written when refused).
 
+    From ``--servers``: ``shardps.cli.untrusted.export_live`` (torch is imported, and the model allocated,
+    only once every shard's chunks arrived and checked out), all within ``--timeout``.
+    """
+    deadline = _deadline(args)
+    model = _model_state(args.model_state) if args.model_state else None
     if args.servers:
-        if args.version:
-            raise ValueError("--version picks a checkpoint: use it with --checkpoint-dir")
-        result = exporting.from_servers(list(args.servers), wait_seconds=args.wait_seconds,
-                                        allow_mixed_versions=args.allow_mixed_versions,
-                                        security=security_from_args(args))
+        if args.version or args.num_shards is not None:
+            raise ValueError("--version and --num-shards are about checkpoints: use them with --checkpoint-dir")
+        security = security_from_args(args)
+        result = export_live(args.servers, connect=lambda i, a: connect(i, a, deadline, security), deadline=deadline,
+                             wait_seconds=args.wait_seconds, allow_mixed_versions=args.allow_mixed_versions,
+                             model=model)
     else:
+        from shardps.worker import export as exporting
+
         if any(_security_files(args).values()):
             raise ValueError("--tls-*/--auth-token-file secure calls to shards: use them with --servers")
         try:
-            result = exporting.from_checkpoints(args.checkpoint_dir, version=args.version,
-                                                allow_mixed_versions=args.allow_mixed_versions)
+            result = exporting.from_checkpoints(args.checkpoint_dir, args.num_shards, version=args.version,
+                                                model=model, allow_mixed_versions=args.allow_mixed_versions)
         except FileNotFoundError as exc:
             raise RuntimeError(str(exc)) from None
     path = result.save(args.out)
     versions = sorted(set(result.versions))
     at = f"version {versions[0]}" if len(versions) == 1 else f"versions {result.versions} (mixed)"
-    say(f"exported {len(result.state_dict)} tensors of job {result.job_id} at {at} to {path}")
+    say(f"exported {len(result.state_dict)} tensors of job {printable(result.job_id)} at {at} to {path}")
     return 0

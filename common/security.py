@@ -11,8 +11,13 @@
   ``shardps.v1.Shard`` call that does not carry the metadata
   ``authorization: Bearer <token>`` (``shardps.server.auth``). The token is
   the file's contents with whitespace stripped. Clients send it on every call.
-  Without TLS it travels in clear text, so use it together with TLS on any
-  network you do not trust.
+  Without TLS it would travel in clear text, where one sniffed request is
+  enough to act as any worker or operator: both ends refuse that unless the
+  peer is a loopback address (:func:`is_loopback_host`) or the operator
+  says ``--allow-token-over-plaintext`` (``ChannelSecurity(...,
+  allow_token_over_plaintext=True)``, ``ShardConfig.allow_token_over_plaintext``),
+  which logs a WARNING. gRPC itself refuses to send call credentials over an
+  insecure channel; shardps's interceptor follows the same rule.
 
 ``grpc.health.v1.Health`` needs no token. A failed TLS handshake looks like an
 unreachable server to gRPC (UNAVAILABLE, or a connect timeout). A missing or
@@ -22,15 +27,23 @@ wrong token gets UNAUTHENTICATED.
 from __future__ import annotations
 
 import collections
+import ipaddress
+import logging
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 #: gRPC metadata key that carries the token (lower case: HTTP/2 header names are).
 AUTH_METADATA_KEY = "authorization"
 #: Authorization scheme: the metadata value is ``"Bearer <token>"``.
 AUTH_SCHEME = "Bearer"
+
+#: The flag (and, with underscores, the ``ChannelSecurity``/``ShardConfig`` field) that lets a token go over plaintext.
+INSECURE_FLAG = "--allow-token-over-plaintext"
 
 _CERT_MARKER = b"-----BEGIN CERTIFICATE-----"
 _KEY_MARKER = b"PRIVATE KEY-----"
@@ -96,6 +109,80 @@ def read_token_file(path: str, flag: str = "--auth-token-file") -> str:
     if problem := _token_problem(token):
         raise ValueError(f"{flag} {path}: {problem}")
     return token
+
+
+def address_hosts(address: str) -> list[str]:
+    """The hosts of a gRPC target: ``host:port``, ``[v6]:port``, ``dns:///host:port``, ``ipv4:a.b.c.d:p,...``.
+
+    A ``unix:`` target gives ``[""]`` (a socket on this machine).
+    """
+    target = address.strip()
+    if target.startswith(("unix:", "unix-abstract:")):
+        return [""]
+    parts = [target]
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            parts = target[len(scheme):].split(",")
+            break
+    hosts = []
+    for part in parts:
+        if part.startswith("["):
+            hosts.append(part[1 : part.index("]")] if "]" in part else part)
+        else:
+            hosts.append(part.rpartition(":")[0] if ":" in part else part)
+    return hosts
+
+
+def _loopback_ip(text: str) -> bool:
+    ip = ipaddress.ip_address(text.split("%")[0])  # drop an IPv6 zone
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether every address ``host`` stands for is a loopback address (``127.0.0.0/8``, ``::1``).
+
+    An IP literal is judged as is; a name is resolved (``getaddrinfo``) and
+    all of its addresses must be loopback. ``""`` (a ``unix:`` socket) counts
+    as loopback. ``0.0.0.0`` and ``::`` (every interface) are not loopback,
+    nor is a name that does not resolve.
+    """
+    if host == "":
+        return True
+    try:
+        return _loopback_ip(host)
+    except ValueError:
+        pass
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(_loopback_ip(a) for a in found)
+
+
+def token_over_plaintext_problem(host: str, who: str) -> str | None:
+    """Why a bearer token must not travel in plaintext to or from ``host``; None when ``host`` is loopback.
+
+    ``who`` names the side in the message (``"shardps-server"``, or the command).
+    """
+    if is_loopback_host(host):
+        return None
+    return (f"{who}: a bearer token (--auth-token-file) over plaintext to or from {host!r}, which is not a "
+            "loopback address, can be read by anyone on the network path and replayed to act as any worker "
+            "or operator: use TLS (--tls-cert/--tls-key on the shards, --tls-ca on the clients), or pass "
+            f"{INSECURE_FLAG} (allow_token_over_plaintext=True) to send it in clear text anyway")
+
+
+_warned: set[str] = set()
+
+
+def warn_token_over_plaintext(host: str, who: str) -> None:
+    """Log the WARNING of an allowed token over plaintext to a non-loopback ``host`` (once per host and side)."""
+    if (who, host) in _warned or is_loopback_host(host):
+        return
+    _warned.add((who, host))
+    log.warning("%s: the bearer token travels in clear text to or from %r (%s): anyone on the network path can "
+                "read and replay it; use TLS on any network you do not control", who, host, INSECURE_FLAG)
 
 
 def server_credentials(cert_file: str, key_file: str, ca_file: str = "") -> grpc.ServerCredentials:
@@ -168,6 +255,8 @@ class ChannelSecurity:
         cert, key: PEM client certificate (chain) and private key for mutual TLS. Give both or neither,
             and only together with ``ca``.
         token: bearer token sent as ``authorization: Bearer <token>`` on every call. None: no token.
+        allow_token_over_plaintext: let :meth:`channel` send ``token`` without TLS to an address that is
+            not loopback (logs a WARNING once per host). False (default): such a channel is refused.
 
     ``key`` and ``token`` are left out of ``repr``.
 
@@ -180,6 +269,7 @@ class ChannelSecurity:
     cert: bytes | None = None
     key: bytes | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
+    allow_token_over_plaintext: bool = False
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -197,7 +287,7 @@ class ChannelSecurity:
 
     @classmethod
     def from_files(cls, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
-                   auth_token_file: str = "") -> "ChannelSecurity":
+                   auth_token_file: str = "", allow_token_over_plaintext: bool = False) -> "ChannelSecurity":
         """Read the PEM files and the token file that the flags of the same names point to ("" = not given).
 
         Raises:
@@ -215,6 +305,7 @@ class ChannelSecurity:
             cert=read_pem(tls_cert, "--tls-cert") if tls_cert else None,
             key=read_pem(tls_key, "--tls-key", key=True) if tls_key else None,
             token=read_token_file(auth_token_file) if auth_token_file else None,
+            allow_token_over_plaintext=allow_token_over_plaintext,
         )
 
     def channel(self, address: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
@@ -224,7 +315,18 @@ class ChannelSecurity:
         When ``token`` is set, an interceptor adds it to the metadata of every call. The returned channel
         supports ``grpc.channel_ready_future``, the four call kinds, and ``close()``, which closes the
         underlying channel.
+
+        Raises:
+            ValueError: ``token`` is set, the channel is plaintext and ``address`` is not loopback
+                (:func:`is_loopback_host`), without ``allow_token_over_plaintext``; the message names
+                the fix. Nothing is sent.
         """
+        if self.token is not None and self.ca is None:
+            for host in address_hosts(address):
+                if self.allow_token_over_plaintext:
+                    warn_token_over_plaintext(host, "client")
+                elif problem := token_over_plaintext_problem(host, f"connecting to {address}"):
+                    raise ValueError(problem)
         options = list(options or ())
         if self.ca is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,

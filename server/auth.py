@@ -7,6 +7,13 @@ real one (unary or streaming on each side), which neither parses nor reads
 the request. ``grpc.health.v1.Health`` is never checked: load balancers and
 Kubernetes probes carry no token. Tokens are compared in constant time, and
 no message or log line contains the token that was sent or the expected one.
+
+The token only protects anything when nobody else can read it: a shard with
+``--auth-token-file`` and no TLS refuses to start on a host that is not
+loopback unless ``--allow-token-over-plaintext`` (``ShardConfig`` checks it,
+``shardps.common.security.token_over_plaintext_problem``; the shard logs a
+WARNING at start when it is allowed), and clients refuse to send it there
+the same way (``ChannelSecurity.channel``).
 """
 
 from __future__ import annotations
