@@ -1,10 +1,11 @@
 """Checks of every value a client sends, made before the shard does any work with it.
 
 Each check raises :class:`~shardps.server.errors.InvalidArgument` (or
-``FailedPrecondition`` / ``ResourceExhausted`` where the request is
-well-formed but does not fit) with a message that names the field and the
-fix. Sizes are checked arithmetically, so a 60-byte Join that asks for
-2^40 elements costs microseconds, not a plan build.
+``FailedPrecondition`` where the request is well-formed but does not fit)
+with a message that names the field and the fix. Sizes are checked
+arithmetically, so a 60-byte Join that asks for 2^40 elements costs
+microseconds, not a plan build. Join's memory estimate is admission's
+(``membership/admission.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from shardps.common.codec import FLOAT_DTYPES, DecodedFrame, FrameError, decode_
 from shardps.common.optim import parse_hyperparams
 from shardps.common.plan import BUFFER_ITEMSIZE, MASTER_ITEMSIZE, MIN_CHUNK_BYTES
 from shardps.server.config import ShardConfig
-from shardps.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from shardps.server.dense.optimizer import SEGMENT
+from shardps.server.errors import FailedPrecondition, InvalidArgument
 
 #: Longest session token (DistributedOptimizer sends 32 hex characters).
 MAX_SESSION_CHARS = 64
@@ -198,27 +198,3 @@ def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> 
             )
     # parameters, and buffers counted as fp32 elements of the same bytes
     return -(-(total + -(-buffer_bytes // MASTER_ITEMSIZE)) // config.num_shards) + per_chunk
-
-
-def check_memory(elements: int, state_buffers: int, members: int, config: ShardConfig) -> None:
-    """Refuse a Join that could make the shard hold more than its memory budget.
-
-    The bound: ``4 x elements x (1 + state_buffers + members)`` bytes (fp32
-    parameters, one buffer per optimizer-state tensor, and at most one staged
-    gradient per member, which also covers the one Init stream received before
-    any state exists) plus the dry run's fixed scratch,
-    ``4 x SEGMENT x (1 + state_buffers)`` bytes.
-
-    Raises:
-        ResourceExhausted: the bound exceeds ``config.memory_budget_bytes``.
-    """
-    need = MASTER_ITEMSIZE * (elements * (1 + state_buffers + members) + SEGMENT * (1 + state_buffers))
-    if need > config.memory_budget_bytes:
-        per = MASTER_ITEMSIZE * elements
-        raise ResourceExhausted(
-            f"with {members} member(s) this shard could need {need} bytes ({per} bytes of parameters, "
-            f"{state_buffers} optimizer-state buffer(s), one staged gradient per member and "
-            f"{MASTER_ITEMSIZE * SEGMENT * (1 + state_buffers)} bytes of dry-run scratch) but its memory "
-            f"budget is {config.memory_budget_bytes} bytes: use more shards, fewer workers, or a larger "
-            "--memory-budget-bytes"
-        )

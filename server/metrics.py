@@ -1,8 +1,8 @@
 """Prometheus metrics of one shard (prometheus-client), and the gRPC interceptor that counts its calls.
 
 Every series carries ``shard="<index>"``; the other labels are bounded:
-``method`` (a ``shardps.v1.Shard`` RPC name), ``code`` (a gRPC status name)
-and ``mode`` (sync, async, ssp). Parameter names never become labels.
+``method`` (a ``shardps.v1.Shard`` RPC name), ``code`` (a gRPC status name),
+``mode`` (sync, async, ssp) and ``reason`` (per_peer, total, idle). Parameter names never become labels.
 
 ==============================================  =========  ==================================================
 name                                            type       what
@@ -23,6 +23,9 @@ shardps_shard_staleness_versions                histogram  staleness of each app
 shardps_shard_checkpoint_seconds                histogram  writing one checkpoint
 shardps_shard_last_checkpoint_timestamp_seconds gauge      Unix time of the newest checkpoint (0: none)
 shardps_shard_info{version}                     gauge      1; the software version
+shardps_shard_streams_refused_total{reason}     counter    calls refused or ended by ``streams.py``: reason
+                                                           ``per_peer``, ``total`` (a cap) or ``idle``
+shardps_shard_open_streams                      gauge      ``shardps.v1.Shard`` calls open now
 ==============================================  =========  ==================================================
 """
 
@@ -50,6 +53,8 @@ RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 #: Staleness, versions. The shard's own histogram (``Stats.staleness_histogram``) is exact up to 30.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 30)
 
+#: Why ``streams.py`` refused or ended a call: a cap per peer, the total cap, or a stream idle too long.
+STREAM_REFUSALS = ("per_peer", "total", "idle")
 #: Counters the store keeps itself, read when scraped: name (without ``shardps_shard_`` and ``_total``) -> help.
 READ_COUNTERS = {
     "received_bytes": "Frame bytes received (Init, pushes).",
@@ -118,6 +123,13 @@ class ShardMetrics:
                 self._rpcs.labels(self.shard, method, code.name)
         for mode in MODES:
             self._rounds.labels(self.shard, mode)
+        self._streams_refused = Counter("shardps_shard_streams_refused",
+                                        "Calls refused (a cap per peer or in total) or ended (idle) by reason.",
+                                        ("shard", "reason"), registry=r)
+        for reason in STREAM_REFUSALS:
+            self._streams_refused.labels(self.shard, reason)
+        self._open_streams = Gauge("shardps_shard_open_streams", "shardps.v1.Shard calls open now.", s,
+                                   registry=r).labels(self.shard)
 
     def watch(self, read: Callable[[], dict[str, float]]) -> None:
         """Read the store's counters and gauges when scraped: ``read()`` returns a number for each name of
@@ -132,6 +144,14 @@ class ShardMetrics:
         """Count one finished call of ``method`` with status ``code`` (a ``grpc.StatusCode`` name), ``seconds`` long."""
         self._rpcs.labels(self.shard, method, code).inc()
         self._rpc_seconds.labels(self.shard, method).observe(seconds)
+
+    def stream_refused(self, reason: str) -> None:
+        """Count one call refused or ended for ``reason`` (one of :data:`STREAM_REFUSALS`)."""
+        self._streams_refused.labels(self.shard, reason).inc()
+
+    def streams_open(self, count: int) -> None:
+        """``count`` calls are open now."""
+        self._open_streams.set(count)
 
     def round_applied(self, mode: str, seconds: float, staleness: int, contributions: int) -> None:
         """Count one applied round of ``mode``: its optimizer ``seconds`` and each contribution's ``staleness``."""

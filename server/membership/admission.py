@@ -13,25 +13,98 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import OptimizerSpecError, check_shardable, parse_hyperparams
-from shardps.common.plan import PartitionPlan
+from shardps.common.plan import MASTER_ITEMSIZE, PartitionPlan
 from shardps.server import checks
 from shardps.server.checks import shown
 from shardps.server.dense.chunks import ChunkTable
 from shardps.server.config import ShardConfig
-from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, stop_call
+from shardps.server.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, stop_call
 from shardps.server.membership.job import Job, check_view_for_new_job, new_job_id
 from shardps.server.membership.members import Member, Membership
 from shardps.server.consistency.modes import Mode
-from shardps.server.dense.optimizer import ShardOptimizer
+from shardps.server.dense.optimizer import SEGMENT, ShardOptimizer
 from shardps.server.consistency.rounds import Rounds
 
 log = logging.getLogger(__name__)
+
+
+#: Resident bytes a member's push and pull hold while they stream (gRPC's buffers within HTTP/2 flow control,
+#: and what the allocator keeps of them), at most: a member adds its staged gradient, the smaller of this
+#: and its gradient's bytes, and one chunk (measured: ``benchmarks/join_memory.py``; docs/performance.md).
+STREAM_BYTES = 20 << 20
+#: Resident bytes a job adds besides its arrays: its plan and chunk table, torch's kernels and
+#: allocations of a first update (measured as :data:`STREAM_BYTES`).
+JOB_BYTES = 16 << 20
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now, bytes (``/proc/self/statm``; where there is none, its peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def member_bytes(elements: int, chunk_bytes: int) -> int:
+    """Resident bytes one member adds at a round's peak: ``4 E + min(4 E, STREAM_BYTES) + min(4 E, chunk_bytes)``,
+    its staged gradient and its streams in flight (``E`` fp32 elements, chunks of ``chunk_bytes``)."""
+    gradient = MASTER_ITEMSIZE * elements
+    return gradient + min(gradient, STREAM_BYTES) + min(gradient, chunk_bytes)
+
+
+def memory_estimate(baseline: int, elements: int, state_buffers: int, members: int, chunk_bytes: int) -> int:
+    """Peak resident bytes of a shard once ``members`` workers push one round and pull its result together.
+
+    ``baseline + JOB_BYTES + 2 x 4 E (1 + S) + 4 SEGMENT (1 + S) + members x member_bytes(E, chunk_bytes)``:
+    the process before any job, the job's fixed part, parameters and optimizer state and the copies a
+    streamed round keeps to undo what it applied (``shardps.server.consistency.streamed``; counted
+    whether or not the workers stream, since they choose per round), the dry run's scratch, and each
+    member's staged gradient and streams in flight (:func:`member_bytes`).
+
+    Args:
+        baseline: the shard's resident bytes before it held a job (:func:`resident_bytes`).
+        elements: ``E``, the shard's fp32 elements (parameters, and buffers counted as fp32 elements of the
+            same bytes).
+        state_buffers: ``S``, the optimizer's state tensors per parameter.
+        members: members after the Join.
+        chunk_bytes: the plan's ``chunk_bytes``.
+
+    Returns:
+        Bytes; within 20% of the measured peak at 1, 64 and 256 members (docs/performance.md).
+    """
+    gradient = MASTER_ITEMSIZE * elements
+    arrays = 2 * gradient * (1 + state_buffers) + MASTER_ITEMSIZE * SEGMENT * (1 + state_buffers)
+    return baseline + JOB_BYTES + arrays + members * member_bytes(elements, chunk_bytes)
+
+
+def check_memory(baseline: int, elements: int, state_buffers: int, members: int, chunk_bytes: int,
+                 config: ShardConfig) -> None:
+    """Refuse a Join that could make the shard's resident memory exceed ``config.memory_budget_bytes``.
+
+    Raises:
+        ResourceExhausted: :func:`memory_estimate` exceeds the budget (the message names the figures and the fix).
+    """
+    need = memory_estimate(baseline, elements, state_buffers, members, chunk_bytes)
+    if need > config.memory_budget_bytes:
+        gradient = MASTER_ITEMSIZE * elements
+        raise ResourceExhausted(
+            f"with {members} member(s) this shard could need {need} bytes of memory ({baseline} bytes of process "
+            f"before any job, {gradient} bytes of parameters, {state_buffers} optimizer-state buffer(s), and "
+            f"{member_bytes(elements, chunk_bytes)} bytes per member for its staged gradient and streams) but "
+            f"its memory budget is {config.memory_budget_bytes} bytes: use more shards, fewer workers, or a larger "
+            "--memory-budget-bytes"
+        )
 
 
 def _hyperparams_without_lr(spec: pb.OptimizerSpec) -> list[dict]:
@@ -47,6 +120,11 @@ def _hyperparams_without_lr(spec: pb.OptimizerSpec) -> list[dict]:
     for hp in groups:
         hp.pop("lr", None)
     return groups
+
+
+def _elements(table: ChunkTable) -> int:
+    """The shard's fp32 elements, its buffers counted as fp32 elements of the same bytes."""
+    return table.numel + -(-table.buffer_bytes // MASTER_ITEMSIZE)
 
 
 class Admission:
@@ -70,6 +148,7 @@ class Admission:
         self._notify, self._run, self._check_open = notify, run, check_open
         self.job: Job | None = None
         self._first_join = asyncio.Lock()
+        self._baseline: int | None = None  # resident bytes before the first job (memory_estimate's baseline)
 
     @property
     def version(self) -> int:
@@ -134,7 +213,8 @@ class Admission:
         if cfg.shard_index > 0:
             job.check_view(request.job, cfg.shard_index, self.version)
         if request.worker_id not in self._members:
-            checks.check_memory(job.table.numel, job.state_buffers, len(self._members) + 1, cfg)
+            check_memory(self._baseline, _elements(job.table), job.state_buffers, len(self._members) + 1,
+                         job.table.plan.chunk_bytes, cfg)
         member, is_new = self._members.admit(request.worker_id, request.session)
         # Past every refusal: only now may the Join change the job.
         if job.mode is None:  # the first joiner (or the first one back after a restore) fixes the mode
@@ -164,7 +244,9 @@ class Admission:
             raise InvalidArgument(str(exc)) from None
         num_groups = len(request.optimizer.group_hyperparams_json)
         elements = checks.check_plan_spec(request.plan, num_groups, cfg)
-        checks.check_memory(elements, 0, 1, cfg)
+        if self._baseline is None:  # on the compute thread: after its warm-up, before any job exists
+            self._baseline = await self._run(resident_bytes)
+        check_memory(self._baseline, elements, 0, 1, request.plan.chunk_bytes, cfg)
         try:  # O(keys): a plan that does not match its fingerprint is refused before it is built
             fingerprint = PartitionPlan.fingerprint_of_proto(request.plan)
         except ValueError as exc:
@@ -190,7 +272,7 @@ class Admission:
             )
 
         job = await self._run(build)
-        checks.check_memory(job.table.numel, job.state_buffers, 1, cfg)
+        check_memory(self._baseline, _elements(job.table), job.state_buffers, 1, job.table.plan.chunk_bytes, cfg)
         self._check_open()
         if cfg.shard_index > 0:
             check_view_for_new_job(request.job, cfg.shard_index)
@@ -268,7 +350,7 @@ class Admission:
                     raise InvalidArgument("init: only chunks may follow the round header")
             received = rx.finish()
             try:
-                optimizer = await self._run(ShardOptimizer, job.spec, staged, job.table.key_slices)
+                optimizer = await self._run(ShardOptimizer, job.spec, staged, job.table.key_slices, job.table.units())
             except OptimizerSpecError as exc:
                 raise InvalidArgument(str(exc)) from None
             check()
@@ -342,6 +424,8 @@ class Admission:
             ValueError: the checkpoint does not fit this shard (another shard count or index, bad optimizer state).
         """
         cfg = self.config
+        if self._baseline is None:  # before the job's arrays exist (the checkpoint's file is read already)
+            self._baseline = resident_bytes()
         plan_spec, spec = pb.PlanSpec.FromString(snap.plan), pb.OptimizerSpec.FromString(snap.spec)
         if plan_spec.num_shards != cfg.num_shards:
             raise ValueError(f"the checkpoint is of a job with {plan_spec.num_shards} shards, not {cfg.num_shards}")
@@ -353,7 +437,7 @@ class Admission:
             params = snap.params()
             if {g: t.numel() for g, t in params.items()} != table.group_sizes:
                 raise ValueError("the checkpoint's parameters do not fit this shard's part of its plan")
-            optimizer = ShardOptimizer(spec, params, table.key_slices)
+            optimizer = ShardOptimizer(spec, params, table.key_slices, table.units())
             optimizer.load_state(snap.states())
             optimizer.set_hyperparams([snap.hyperparams.get(g, {}) for g in range(len(hyperparams))])
             job = Job(table=table, plan_bytes=plan_spec.SerializeToString(deterministic=True), spec=spec,

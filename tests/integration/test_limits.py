@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import encode_chunk, encode_round
+from shardps.server.membership.admission import member_bytes, memory_estimate
 from shardps.worker.session.client import ShardClient, ShardRpcError
 from tests.support.raw import SERVING, RawWorker, health_status, plan_and_spec, raw_call, raw_stream, snapshot
 
@@ -71,7 +73,7 @@ def test_join_requests_that_ask_for_too_much_are_refused_at_once(start_cluster) 
 
 def test_members_are_capped_and_memory_is_bounded(start_cluster) -> None:
     """Item 12: --max-workers caps members; the memory bound is checked at Join; Joins allocate nothing."""
-    cluster = start_cluster(1, extra_args=("--max-workers", "300", "--memory-budget-bytes", str(1300 << 20)))
+    cluster = start_cluster(1, extra_args=("--max-workers", "300", "--memory-budget-bytes", str(4 << 30)))
     torch.manual_seed(0)
     m = nn.Linear(1000, 1000)  # 1,001,000 elements: 4 MB per staged gradient
     plan, spec = plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), chunk_bytes=1 << 20)
@@ -85,7 +87,8 @@ def test_members_are_capped_and_memory_is_bounded(start_cluster) -> None:
             w.join()
         # 300 members of a 4 MB shard: staging is made when a member pushes, not when it joins
         assert rss_bytes(cluster.processes[0].pid) - before < 100 << 20
-        # bound: 4 MB x (1 + 1 momentum buffer + members) <= 1300 MiB allows 338 members, but --max-workers is 300
+        # Join's estimate (the process, then about 9 MB a member of a 4 MB shard) fits 400 members in 4 GiB,
+        # but --max-workers is 300
         with pytest.raises(ShardRpcError, match="--max-workers limit") as err:
             RawWorker(client, "one-more", plan, spec).join()
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -93,13 +96,26 @@ def test_members_are_capped_and_memory_is_bounded(start_cluster) -> None:
     finally:
         client.close()
 
-    # 4 MB x (2 + members) + 2 MiB of dry-run scratch: two members fit in 20 MiB, a third does not
-    small = start_cluster(1, extra_args=("--memory-budget-bytes", str(20 << 20)))
+    # Join's estimate counts the shard process itself: a shard that may hold nothing says how much it is
+    m = nn.Linear(2000, 2000)  # 4,002,000 elements: 16 MB of parameters, about 33 MB a member
+    plan, spec = plan_and_spec(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), chunk_bytes=1 << 20)
+    probe = start_cluster(1, extra_args=("--memory-budget-bytes", "1"))
+    client = ShardClient(probe.addresses[0], index=0, rpc_timeout=30.0)
+    try:
+        with pytest.raises(ShardRpcError, match="memory budget is 1 bytes") as err:
+            RawWorker(client, "a", plan, spec).join()
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        baseline = int(re.search(r"\((\d+) bytes of process before any job", err.value.details).group(1))
+    finally:
+        client.close()
+    # two members fit, a third does not (half a member of margin each way for another process's baseline)
+    budget = memory_estimate(baseline, 4_002_000, 1, 2, 1 << 20) + member_bytes(4_002_000, 1 << 20) // 2
+    small = start_cluster(1, extra_args=("--memory-budget-bytes", str(budget)))
     client = ShardClient(small.addresses[0], index=0, rpc_timeout=30.0)
     try:
         RawWorker(client, "a", plan, spec).join()
         RawWorker(client, "b", plan, spec).join()
-        with pytest.raises(ShardRpcError, match="memory budget is 20971520 bytes") as err:
+        with pytest.raises(ShardRpcError, match=f"memory budget is {budget} bytes") as err:
             RawWorker(client, "c", plan, spec).join()
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert client.stats().members == ["a", "b"]

@@ -104,13 +104,14 @@ def test_shard_metrics_match_the_shards_own_counts(trained):
 
 
 def test_every_label_is_bounded(trained):
-    """No series names a parameter or a worker: labels are shard, method, code, mode, le, version, phase only,
-    and a node phase is one of the three phases."""
-    allowed = {"shard", "method", "code", "mode", "le", "version", "phase"}
+    """No series names a parameter or a worker: labels are shard, method, code, mode, le, version, phase, reason
+    only, a node phase is one of the three phases and a refusal's reason one of three."""
+    allowed = {"shard", "method", "code", "mode", "le", "version", "phase", "reason"}
     for samples in (*trained["shards"], trained["worker"]):
         for _, labels in samples:
             assert {k for k, _ in labels} <= allowed
             assert dict(labels).get("phase", "all_gather") in ("reduce_scatter", "push_pull", "all_gather"), labels
+            assert dict(labels).get("reason", "idle") in ("per_peer", "total", "idle"), labels
 
 
 def test_worker_metrics_count_steps_bytes_and_samples(trained):
