@@ -1,7 +1,8 @@
 """Cluster in one box: shardps vs DDP when every host sits behind a rate-limited link.
 
     python benchmarks/cluster.py [--workers 4] [--shards 4] [--rate-mbit 100] [--delay-ms 0] [--steps 6]
-                                 [--systems sync,sync_bf16,async,ddp,ddp_fp16] [--straggler] [--json PATH]
+                                 [--systems sync,sync_bf16,sync_plain,sync_clip,async,ddp,ddp_fp16]
+                                 [--straggler] [--json PATH]
 
 N worker hosts and S shard hosts are emulated with Linux network
 namespaces, one per host, each wired by a veth pair to a bridge in a switch
@@ -13,8 +14,13 @@ workers ``benchmarks/cluster_job.py``. Each worker trains the train
 benchmark's MLP (1024-2048-2048-2048-10, 10.5 M parameters) on 64 samples
 per step with fused AdamW (lr 1e-3), one torch thread, as:
 
-- ``sync``: shardps, bulk synchronous rounds, fp32 on the wire;
+- ``sync``: shardps, bulk synchronous rounds, fp32 on the wire, streamed
+  (``WireOptions(streamed=True)``: each chunk applied and sent back as soon
+  as every worker pushed it, so every link sends and receives at once);
 - ``sync_bf16``: the same with bf16 gradients and parameters on the wire;
+- ``sync_plain``: sync rounds unstreamed (the whole push, then the whole pull);
+- ``sync_clip``: sync with ``max_grad_norm=1.0``, which needs every shard's
+  part of the norm before any chunk is applied, so its rounds are not streamed;
 - ``async``: shardps async; the hosts share a budget of N x steps timed steps;
 - ``ddp``: DistributedDataParallel over Gloo (``GLOO_SOCKET_IFNAME=eth0``);
 - ``ddp_fp16``: the same with ``fp16_compress_hook``.
@@ -38,7 +44,12 @@ CPU busy: the share of all cores' time not idle during the timed steps
 (``/proc/stat``, everything on the machine), and in brackets this run's
 share (CPU seconds of its worker and shard processes over cores x wall
 time; kernel work done outside them, such as softirqs, is not in it);
-above 80% busy a warning says that the CPUs, not the links, may set the pace. ``--straggler``: the last worker
+above 80% busy a warning says that the CPUs, not the links, may set the pace.
+Timeline (shardps sync rows): the median over a worker's timed rounds, then
+the mean over workers, of when ``step()`` was called, the last push frame
+left, and the first and last pulled frame arrived, in ms from the round's
+first push (``DistributedOptimizer.last_timeline``): a first pull before the
+push end is the overlap. ``--straggler``: the last worker
 host's link runs at half the rate (default systems: async, ddp).
 
 Needs CAP_NET_ADMIN (root): without it, exits with status 77 and says why.
@@ -68,9 +79,10 @@ from cluster_net import Network, probe  # noqa: E402
 from common import cpu_seconds, emit, parser, table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("sync", "sync_bf16", "async", "ddp", "ddp_fp16")
-LABELS = {"sync": "shardps sync", "sync_bf16": "shardps sync, bf16 wire", "async": "shardps async",
-          "ddp": "DDP (Gloo)", "ddp_fp16": "DDP + fp16_compress_hook"}
+SYSTEMS = ("sync", "sync_bf16", "sync_plain", "sync_clip", "async", "ddp", "ddp_fp16")
+LABELS = {"sync": "shardps sync (streamed)", "sync_bf16": "shardps sync, bf16 wire (streamed)",
+          "sync_plain": "shardps sync, push then pull", "sync_clip": "shardps sync, max_grad_norm (push then pull)",
+          "async": "shardps async", "ddp": "DDP (Gloo)", "ddp_fp16": "DDP + fp16_compress_hook"}
 HALF = ("sync_bf16", "ddp_fp16")
 PER_WORKER = 64
 PARAMS = 1024 * 2048 + 2048 + 2 * (2048 * 2048 + 2048) + 2048 * 10 + 10  # the MLP of benchmarks/train.py
@@ -259,6 +271,9 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
         "shards_cpu_s_per_step": shards_cpu / rounds,
         "worker_cpu_s_per_step": [t["cpu"] / max(1, t["steps"]) for t in timed],
     }
+    lines = [t["timeline"] for t in timed if t.get("timeline")]
+    if lines:
+        row["timeline_ms"] = {k: 1e3 * sum(t[k] for t in lines) / len(lines) for k in lines[0]}
     if system not in ("async",) and len({x for x in losses if x is not None}) > 1:
         raise RuntimeError(f"{system}: workers disagree on the final parameters: {losses}")
     return row
@@ -274,7 +289,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the shards' Init is in the first)")
     p.add_argument("--systems", help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; --straggler: async,ddp)")
     p.add_argument("--straggler", action="store_true", help="the last worker host's link at half the rate")
-    p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size, bytes (default 4 MiB)")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                   help="shardps chunk size, bytes (default 1 MiB, WireOptions' default; streamed rounds apply and "
+                        "send back a chunk at a time, so smaller chunks overlap more)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take beyond 3x its link bound")
     p.add_argument("--lease-seconds", type=float, default=120.0,
                    help="shards' worker lease, s (default 120: a heartbeat waits behind megabytes on a slow link)")
@@ -324,6 +341,11 @@ def main() -> int:
                 print(f"  {row['samples_per_s']:.1f} samples/s, {row['fraction_of_link_bound']:.2f} of the link "
                       f"bound, CPUs {100 * row['cpu_busy']:.0f}% busy ({100 * row['own_cpu_share']:.0f}% this run)",
                       flush=True)
+                if "timeline_ms" in row:
+                    t = row["timeline_ms"]
+                    print(f"  timeline (ms from the first push): step() {t['step_called']:.0f}, push end "
+                          f"{t['push_end']:.0f}, first pull {t['first_pull']:.0f}, last pull {t['last_pull']:.0f}",
+                          flush=True)
             for w in workers:
                 w.send({"cmd": "exit"})
     finally:

@@ -19,7 +19,8 @@ prefixed with ``@@`` (anything else on stdout is someone's log):
 - ``{"cmd": "exit"}`` or end of input: exit.
 
 Systems: ``sync``, ``sync_bf16`` (bf16 gradients and parameters on the
-wire), ``async`` (shardps), ``ddp`` (DistributedDataParallel over Gloo)
+wire) (both streamed), ``sync_plain`` (unstreamed), ``sync_clip``
+(``max_grad_norm``), ``async`` (shardps), ``ddp`` (DistributedDataParallel over Gloo)
 and ``ddp_fp16`` (the same with torch's ``fp16_compress_hook``). Each
 sync/DDP host trains ``steps`` steps on its 64 rows of every global batch;
 async hosts share a budget of ``world x steps`` timed steps through a
@@ -45,7 +46,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from train import LR, batch, loss_of, make_model  # noqa: E402
 
-SHARDPS = ("sync", "sync_bf16", "async")
+SHARDPS = ("sync", "sync_bf16", "sync_plain", "sync_clip", "async")
+#: rows whose rounds are streamed (WireOptions(streamed=True)); sync_clip asks for it too, but clipping needs the
+#: whole gradient's norm before any chunk is applied, so its rounds go the plain way
+STREAMED = ("sync", "sync_bf16", "sync_clip")
+#: max_grad_norm of the sync_clip row
+CLIP = 1.0
 DDP = ("ddp", "ddp_fp16")
 
 
@@ -86,9 +92,10 @@ def build(task: dict, rank: int, world: int):
         opt = DistributedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=LR, fused=True), model.named_parameters(),
             servers=task["servers"], worker_id=f"host-{rank}", model=model,
+            max_grad_norm=CLIP if system == "sync_clip" else None,
             consistency=ConsistencyOptions(mode="async" if system == "async" else "sync"),
             wire=WireOptions(push_dtype=dtype, pull_dtype=dtype, chunk_bytes=task["chunk_bytes"],
-                             rpc_timeout=600.0, connect_timeout=60.0))
+                             rpc_timeout=600.0, connect_timeout=60.0, streamed=system in STREAMED))
         return model, model, opt
     from torch.nn.parallel import DistributedDataParallel
 
@@ -128,7 +135,7 @@ def run(task: dict, rank: int, world: int) -> None:
     say(event="ready")
     if listen() != "go":
         raise RuntimeError("expected go")
-    start, cpu, done = time.time(), time.process_time(), 0
+    start, cpu, done, timelines = time.time(), time.process_time(), 0, []
     if system == "async":
         while (ticket := take_ticket(task["budget_file"], world * task["steps"])) is not None:
             train_step(net, opt, batch("mlp", 1_000_000 + ticket, per_worker))
@@ -138,10 +145,15 @@ def run(task: dict, rank: int, world: int) -> None:
             x, y = batch("mlp", step, world * per_worker)
             train_step(net, opt, (x[mine], y[mine]))
             done += 1
+            if system in SHARDPS and (timeline := opt.last_timeline) is not None:
+                timelines.append(timeline)  # the previous step's round (its pull landed in this forward)
     if system in SHARDPS:  # DDP's last step already waited for its allreduce
         opt.synchronize()
     end = time.time()
-    say(event="timed", start=start, end=end, steps=done, cpu=time.process_time() - cpu)
+    if system in SHARDPS and opt.last_timeline is not None:
+        timelines.append(opt.last_timeline)
+    timeline = {k: sorted(t[k] for t in timelines)[len(timelines) // 2] for k in timelines[0]} if timelines else None
+    say(event="timed", start=start, end=end, steps=done, cpu=time.process_time() - cpu, timeline=timeline)
     if listen() != "finish":
         raise RuntimeError("expected finish")
     final_loss = None

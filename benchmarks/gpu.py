@@ -38,7 +38,11 @@ shardps phases (``phases_ms``):
   after the backward pass ended;
 - ``round_wait``: per shard, from its push's end to its first parameter
   chunk back (the shard's update and the reply's latency), mean over shards;
+  0 where the first chunk came back before the push ended (streamed rounds,
+  ``WireOptions(streamed=True)``, the default);
 - ``pull``: from the first parameter chunk back to the last (all shards);
+- ``push_pull_overlap``: how long chunks were pulled while the push was
+  still going (streamed rounds);
 - ``copy_onto_device``: decoding the pulled frames and copying them into
   the model (summed over chunks; on CUDA the host-to-device copy);
 - ``pull_after_step``: from ``step()`` returning to the last chunk in the
@@ -397,13 +401,14 @@ def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device:
         fw = sums.get("forward_wait_for_pull", 0.0)
         push_start, push_end = min(r.push_start.values(), default=t2), max(r.push_end.values(), default=t3)
         first, last = min(r.first_pulled.values(), default=t3), max(r.last_pulled.values(), default=t3)
-        waits = [r.first_pulled[sh] - r.push_end[sh] for sh in r.push_end if sh in r.first_pulled]
+        waits = [max(0.0, r.first_pulled[sh] - r.push_end[sh]) for sh in r.push_end if sh in r.first_pulled]
         per_step.append({
             "forward": t1 - t0 - fw, "forward_wait_for_pull": fw, "backward": t2 - t1, "step_call": t3 - t2,
             "grad_copy_off_device": sums.get("grad_copy_off_device", 0.0),
             "push": push_end - push_start, "push_after_backward": max(0.0, push_end - t2),
             "round_wait": statistics.fmean(waits) if waits else 0.0,
-            "pull": last - first, "copy_onto_device": sums.get("copy_onto_device", 0.0),
+            "pull": last - first, "push_pull_overlap": max(0.0, min(push_end, last) - first),
+            "copy_onto_device": sums.get("copy_onto_device", 0.0),
             "pull_after_step": max(0.0, last - t3),
         })
         timeline.append({"forward_end": t1 - t0, "backward_end": t2 - t0, "step_returned": t3 - t0,
@@ -533,7 +538,8 @@ def print_tables(rows_out: list[dict]) -> None:
         ["workload", "system", "samples/s", "x torch", "final loss", "|diff|"],
     ))
     phase_names = ["forward", "forward_wait_for_pull", "backward", "step_call", "grad_copy_off_device", "push",
-                   "push_after_backward", "round_wait", "pull", "copy_onto_device", "pull_after_step"]
+                   "push_after_backward", "round_wait", "pull", "push_pull_overlap", "copy_onto_device",
+                   "pull_after_step"]
     print("\nms per step (shardps rows; plain torch: forward / backward / optimizer step)")
     print(table(
         [[f"{r['workload']} x {r['samples_per_step']}", r["system"], f"{r['step_ms']:.1f}",

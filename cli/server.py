@@ -20,6 +20,7 @@ import sys
 import torch
 from grpc_health.v1 import health
 
+from shardps.common.security import warn_token_over_plaintext
 from shardps.common.version import shardps_version
 from shardps.server.config import ShardConfig
 from shardps.server.metrics import MetricsInterceptor
@@ -45,9 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"members at once; more Joins are refused (default {d.max_workers})")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help=f"calls waiting for a version at once (default {d.max_waiting})")
+    p.add_argument("--max-streams", type=int, default=d.max_streams,
+                   help=f"calls open at once from every client together; more get RESOURCE_EXHAUSTED "
+                        f"(default {d.max_streams}; health calls are never counted)")
+    p.add_argument("--max-streams-per-peer", type=int, default=d.max_streams_per_peer,
+                   help=f"calls open at once from one client host (IP address); more get RESOURCE_EXHAUSTED "
+                        f"(default {d.max_streams_per_peer})")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help=f"connections the port holds at once; more are closed when accepted. Bounds the shard's "
+                        f"open files (default {d.max_connections})")
+    p.add_argument("--stream-idle-seconds", type=float, default=d.stream_idle_seconds,
+                   help=f"end a call whose client sends no frame of its request stream for this long while the "
+                        f"shard waits for one (default {d.stream_idle_seconds:.0f}; waits for a round do not count)")
+    p.add_argument("--connection-idle-seconds", type=float, default=d.connection_idle_seconds,
+                   help=f"close connections with no call for this long (default {d.connection_idle_seconds:.0f})")
     p.add_argument("--memory-budget-bytes", type=int, default=None,
-                   help="bytes for parameters, optimizer state and staged gradients; Joins that could exceed it "
-                        "are refused (default: 80%% of the memory limit of this machine or cgroup)")
+                   help="the shard's resident bytes a Join may lead to; Joins whose estimate (the process, "
+                        "parameters, optimizer state, per member its staged gradient and streams) exceeds it are "
+                        "refused (default: 80%% of the memory limit of this machine or cgroup)")
     p.add_argument("--max-chunks", type=int, default=d.max_chunks,
                    help=f"most chunks a job's plan may have (default {d.max_chunks})")
     p.add_argument("--init-timeout", type=float, default=d.init_timeout_seconds,
@@ -62,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"checkpoints kept (default {d.keep_checkpoints})")
     p.add_argument("--restore-version", type=int, default=0,
                    help="restore the newest checkpoint of at most this version (default: the newest)")
+    p.add_argument("--start-empty-over-damaged-checkpoints", action="store_true",
+                   help="start with no job (logged as a WARNING) when --checkpoint-dir holds checkpoints but none "
+                        "is intact; default: refuse to start, naming the damaged files")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="gRPC message limit in bytes (default 8 MiB)")
     p.add_argument("--max-wait-seconds", type=float, default=d.max_wait_seconds,
@@ -87,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEM CA certificate: require client certificates signed by it (mutual TLS)")
     o.add_argument("--auth-token-file", default="",
                    help="file holding a bearer token every shardps call must carry (health is not checked)")
+    o.add_argument("--allow-token-over-plaintext", action="store_true",
+                   help="with --auth-token-file and no --tls-cert, serve on a --host that is not loopback anyway "
+                        "(the token travels in clear text; logs a WARNING); default: refuse to start")
     return p
 
 
@@ -104,12 +126,18 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         return ShardConfig(
             shard_index=a.shard_index, num_shards=a.num_shards, host=a.host, port=a.port,
             min_workers=a.min_workers, max_workers=a.max_workers, max_waiting=a.max_waiting,
+            max_streams=a.max_streams, max_streams_per_peer=a.max_streams_per_peer,
+            max_connections=a.max_connections, stream_idle_seconds=a.stream_idle_seconds,
+            connection_idle_seconds=a.connection_idle_seconds,
             max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
             checkpoint_dir=a.checkpoint_dir, checkpoint_every_rounds=a.checkpoint_every_rounds,
             checkpoint_every_seconds=a.checkpoint_every_seconds, keep_checkpoints=a.keep_checkpoints,
-            restore_version=a.restore_version, mode=a.mode, metrics_port=a.metrics_port,
+            restore_version=a.restore_version,
+            start_empty_over_damaged_checkpoints=a.start_empty_over_damaged_checkpoints, mode=a.mode,
+            metrics_port=a.metrics_port,
             metrics_host=a.metrics_host, health_port=a.health_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
-            tls_ca=a.tls_ca, auth_token_file=a.auth_token_file, log_level=a.log_level,
+            tls_ca=a.tls_ca, auth_token_file=a.auth_token_file,
+            allow_token_over_plaintext=a.allow_token_over_plaintext, log_level=a.log_level,
             max_message_bytes=a.max_message_bytes, max_wait_seconds=a.max_wait_seconds,
             grace_seconds=a.grace_seconds, reject_nonfinite=not a.allow_nonfinite, threads=a.threads, **budget,
         )
@@ -124,6 +152,8 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
         RuntimeError: the address could not be bound.
     """
     torch.set_num_threads(config.threads)  # --threads: by default the cores this process may use
+    if config.auth_token_file and not config.tls_cert:  # allowed over plaintext: loopback, or the operator said so
+        warn_token_over_plaintext(config.host, f"shardps-server shard {config.shard_index}")
     store = ShardStore(config)
     health_servicer = health.aio.HealthServicer()
     await store.checkpoints.restore()  # the newest intact checkpoint of --checkpoint-dir, if any

@@ -299,7 +299,7 @@ class ChunkHeader(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled", "check_only")
+    __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled", "check_only", "streamed", "options")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,8 @@ class RoundHeader(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SCALED_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     round: int
     plan_fingerprint: str
@@ -314,7 +316,9 @@ class RoundHeader(_message.Message):
     session: str
     scaled: bool
     check_only: bool
-    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ..., check_only: _Optional[bool] = ...) -> None: ...
+    streamed: bool
+    options: RoundTrailer
+    def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ..., check_only: _Optional[bool] = ..., streamed: _Optional[bool] = ..., options: _Optional[_Union[RoundTrailer, _Mapping]] = ...) -> None: ...
 
 class RoundTrailer(_message.Message):
     __slots__ = ("lrs", "group_hyperparams_json", "absent_keys", "inv_scale", "max_grad_norm", "norm_type")

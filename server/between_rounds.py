@@ -65,9 +65,9 @@ class BetweenRounds:
         table, optimizer = self._store.job.table, self._store.rounds.optimizer
         try:
             states = await self._store.run(decode_state, table, optimizer, decoded)
-            if self._store.rounds.applying or self._store.rounds.pushed or header.check_only:
+            if self._store.rounds.applying or self._store.rounds.in_progress or header.check_only:
                 changed = await self._store.run(optimizer.load_state, states, True)  # checks and compares only
-                if changed and (self._store.rounds.applying or self._store.rounds.pushed):
+                if changed and (self._store.rounds.applying or self._store.rounds.in_progress):
                     raise Aborted("a round is in progress: load optimizer state between rounds (before pushing)")
                 return self._store.version
             await self._store.run(optimizer.load_state, states)

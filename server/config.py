@@ -7,6 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardps.common.security import token_over_plaintext_problem
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 #: Room a frame needs beyond its payload (header, key, tags); bounded by the key length check.
@@ -88,14 +89,28 @@ class ShardConfig:
         max_workers: members at once; a Join beyond it gets RESOURCE_EXHAUSTED.
         max_waiting: Pull/PushPull calls that may wait for a version at once;
             one more gets RESOURCE_EXHAUSTED. A waiting call holds no thread.
+        max_streams: ``shardps.v1.Shard`` calls open at once, from every client
+            together; one more gets RESOURCE_EXHAUSTED (health calls are never counted).
+        max_streams_per_peer: calls open at once from one client host (its IP
+            address); one more gets RESOURCE_EXHAUSTED. Also the HTTP/2 streams
+            one connection may carry.
+        max_connections: connections the main port holds at once (one more is
+            closed when accepted): with the health port's 64, what bounds the
+            shard's open files (``shardps.server.streams``).
+        stream_idle_seconds: a call whose client sends no frame of its request
+            stream for this long, while the shard waits for one, ends with
+            DEADLINE_EXCEEDED; waits for a round or a version do not count.
+        connection_idle_seconds: a connection with no call for this long is
+            closed (the client reconnects when it calls again).
         max_id_chars: longest ``worker_id`` (printable characters only).
         max_keys, max_groups, max_chunks, max_dims: limits on the partition
             plan a first joiner may ask for, checked arithmetically before the
             plan is built (building is O(chunks)).
-        memory_budget_bytes: bytes this shard may hold for parameters,
-            optimizer state and staged gradients. A Join is refused when
-            ``shard bytes x (1 + optimizer state buffers + members after the
-            join)`` would exceed it; that product bounds the shard's memory.
+        memory_budget_bytes: the shard's resident bytes a Join may lead to. A
+            Join is refused when admission's estimate of the peak (the process
+            before any job, parameters, optimizer state, and per member its
+            staged gradient and streams: ``membership.admission.memory_estimate``)
+            would exceed it.
         init_timeout_seconds: how long the worker told to initialise has to
             start its Init (the clock stops while the stream is received);
             after it, the next Join takes the role over and waiting pulls are
@@ -108,6 +123,9 @@ class ShardConfig:
         keep_checkpoints: how many checkpoints to keep.
         restore_version: restore the newest checkpoint of at most this version
             (0: the newest), e.g. the version every shard of the job still has.
+        start_empty_over_damaged_checkpoints: start with no job (a WARNING) when the
+            checkpoint directory holds checkpoints but none is intact; False (default):
+            refuse to start (exit 1) naming the directory and the damaged files.
         lease_seconds: a member that makes no call (workers send a Heartbeat
             every third of it) for this long is dropped, as if it had left:
             the open round stops waiting for it.
@@ -121,6 +139,9 @@ class ShardConfig:
         tls_ca: PEM file of the CA that signs client certificates; set: mutual TLS (clients must
             present a certificate it signed).
         auth_token_file: file holding the bearer token every ``shardps.v1.Shard`` call must carry.
+        allow_token_over_plaintext: with ``auth_token_file`` and no TLS, serve on a ``host`` that is not
+            loopback anyway (the token then travels in clear text; a WARNING is logged at start).
+            False: that configuration is refused (``ValueError`` naming the fix).
         log_level: the process's log level (DEBUG, INFO, WARNING or ERROR).
         threads: torch threads of the optimizer step (``torch.set_num_threads``
             at start); 0 (or left out): :func:`usable_cores`, the cores the
@@ -138,6 +159,11 @@ class ShardConfig:
     grace_seconds: float = 5.0
     max_workers: int = 1024
     max_waiting: int = 4096
+    max_streams: int = 4096
+    max_streams_per_peer: int = 1024
+    max_connections: int = 4096
+    stream_idle_seconds: float = 120.0
+    connection_idle_seconds: float = 300.0
     max_id_chars: int = 256
     max_keys: int = 1 << 17
     max_groups: int = 4096
@@ -151,6 +177,7 @@ class ShardConfig:
     checkpoint_every_seconds: float = 0.0
     keep_checkpoints: int = 3
     restore_version: int = 0
+    start_empty_over_damaged_checkpoints: bool = False
     mode: str = ""
     metrics_port: int = -1
     metrics_host: str = ""
@@ -159,6 +186,7 @@ class ShardConfig:
     tls_key: str = ""
     tls_ca: str = ""
     auth_token_file: str = ""
+    allow_token_over_plaintext: bool = False
     log_level: str = "INFO"
     threads: int = field(default_factory=usable_cores)
 
@@ -182,6 +210,9 @@ class ShardConfig:
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
                 raise ValueError(f"--{name.replace('_', '-')} {path}: no such readable file")
+        if self.auth_token_file and not self.tls_cert and not self.allow_token_over_plaintext and \
+                (problem := token_over_plaintext_problem(self.host, "shardps-server --host")):
+            raise ValueError(problem)
         if self.min_workers < 1:
             raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
         if self.max_message_bytes < 2 * FRAME_OVERHEAD_BYTES:
@@ -202,7 +233,10 @@ class ShardConfig:
             raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or 0: the usable cores), got {self.threads}")
-        for name in ("max_waiting", "max_id_chars", "max_keys", "max_groups", "max_chunks", "max_dims",
+        if self.stream_idle_seconds <= 0 or self.connection_idle_seconds <= 0:
+            raise ValueError("stream_idle_seconds and connection_idle_seconds must be > 0")
+        for name in ("max_streams", "max_streams_per_peer", "max_connections", "max_waiting", "max_id_chars",
+                     "max_keys", "max_groups", "max_chunks", "max_dims",
                      "memory_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -30,7 +30,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import encode_control
 from shardps.common.security import read_token_file, server_credentials
 from shardps.common.transport import channel_options
-from shardps.server import checks
+from shardps.server import checks, streams
 from shardps.server.auth import HANDLER_KINDS, BearerTokenInterceptor
 from shardps.server.config import ShardConfig
 from shardps.server.errors import InvalidArgument, ShardError, stopped_with
@@ -160,6 +160,10 @@ class ShardServicer:
     @_streaming
     async def PushPull(self, request_iterator, context) -> AsyncIterator[bytes]:
         header = await _round_header(request_iterator, "push")
+        if header.streamed:
+            async for frame in self.store.push_pull_streamed(header, request_iterator):
+                yield frame
+            return
         if await self.store.push(header, request_iterator, can_commit=True):
             # a round that clips or scales: report this shard's part, take the worker's decision
             report = await self.store.wait_report(header.worker_id, header.session, header.round,
@@ -351,13 +355,15 @@ async def create_server(
 
     Raises:
         RuntimeError: an address could not be bound (in use, or not an address of this host); a TLS or
-            token file is missing, unreadable or malformed (the message names the flag).
+            token file is missing, unreadable or malformed (the message names the flag); the hard limit on
+            open files is below what ``--max-connections`` needs (``streams.server_options``).
     """
     credentials, auth = _security(config)
     if credentials is not None:
         await _check_credentials(credentials)
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=options, interceptors=[*interceptors, *auth] or None)
+    server = grpc.aio.server(options=[*options, *streams.server_options(config)],  # caps: see streams.py
+                             interceptors=[*interceptors, streams.StreamLimiter(config, store.metrics), *auth])
     server.add_generic_rpc_handlers((generic_handler(ShardServicer(store)),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servers = ShardServers(server, _bind(server, config.host, config.port, credentials, "--port"))
@@ -365,7 +371,7 @@ async def create_server(
              "plaintext" if credentials is None else "mutual TLS" if config.tls_ca else "TLS",
              "bearer token required" if auth else "no token required")
     if config.health_port >= 0:
-        servers.health_server = grpc.aio.server(options=options)
+        servers.health_server = grpc.aio.server(options=[*options, *streams.HEALTH_OPTIONS])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, servers.health_server)
         servers.health_port = _bind(servers.health_server, config.host, config.health_port, None, "--health-port")
         log.info("shard %d: plaintext health service on %s:%d", config.shard_index, config.host,

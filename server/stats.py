@@ -66,7 +66,7 @@ def stats_reply(store, digest: str = "", with_plan: bool = False) -> pb.StatsRep
         optimizer_state_bytes=rounds.state_bytes,
         push_bytes_total=store.push_bytes,
         pull_bytes_total=store.pull_bytes,
-        pushed=sorted(rounds.pushed),
+        pushed=rounds.open_pushers(),
         job_id=job.job_id if job else "",
         waiting=store.waiting,
         max_workers=store.config.max_workers,

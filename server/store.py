@@ -54,10 +54,10 @@ class ShardStore:
 
     Tensors: one flat fp32 buffer per param group (``ChunkTable.group_sizes``
     elements); while a round is open, one staged gradient of the same shape
-    per member whose push is being received or was accepted. Memory is
-    bounded by ``4 x shard elements x (1 + optimizer-state buffers + members)``
-    bytes plus the dry run's fixed scratch, which Join checks against
-    ``config.memory_budget_bytes``.
+    per member whose push is being received or was accepted. Join checks
+    admission's estimate of the peak resident memory (the process, these
+    tensors, and each member's streams in flight:
+    ``membership.admission.memory_estimate``) against ``config.memory_budget_bytes``.
 
     Attributes:
         members: the shard's members (others read it: who, their clocks, the epoch).
@@ -123,8 +123,8 @@ class ShardStore:
 
     @property
     def push_bytes(self) -> int:
-        """Payload bytes received so far (pushes and Init)."""
-        return self._push_bytes
+        """Payload bytes received so far (pushes, streamed pushes and Init)."""
+        return self._push_bytes + self.rounds.streamed.received_bytes
 
     @property
     def pull_bytes(self) -> int:
@@ -247,6 +247,8 @@ class ShardStore:
             Aborted: another push of this worker is in flight, or the round closed without it.
         """
         checks.check_round_header(header, self.config)
+        if header.streamed:
+            raise InvalidArgument("a streamed round needs PushPull (its chunks come back while it is pushed)")
         self.check_open()
         job = self.require_job(header.plan_fingerprint)
         member = self.members.get(header.worker_id, header.session)
@@ -255,6 +257,18 @@ class ShardStore:
         received, needs_commit = await self.rounds.push(member, header, frames, can_commit=can_commit)
         self._push_bytes += received
         return needs_commit
+
+    async def push_pull_streamed(self, header: pb.RoundHeader, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A streamed round's PushPull (``RoundHeader.streamed``): the push in, the new version's chunks out as
+        each is applied (``shardps.server.consistency.streamed``). Raises what :meth:`push` raises."""
+        checks.check_round_header(header, self.config)
+        self.check_open()
+        job = self.require_job(header.plan_fingerprint)
+        member = self.members.get(header.worker_id, header.session)
+        if not job.initialised:
+            raise FailedPrecondition("this shard has not been initialised yet: pull version 0 first")
+        async for frame in self.rounds.streamed.push_pull(member, header, frames):
+            yield frame
 
     async def wait_report(self, worker_id: str, session: str, round_: int, timeout: float | None) -> pb.RoundReport:
         """Wait until round ``round_`` (which this member pushed) is averaged; its report for this member.

@@ -115,6 +115,15 @@ class WireOptions:
         security: TLS, mutual TLS and the bearer token of every channel
             (``shardps.common.security.ChannelSecurity``); None (default):
             plaintext, no token.
+        streamed: sync mode: stream each round (default; ``RoundHeader.streamed``):
+            a shard applies each chunk as soon as every worker pushed it and sends
+            it back while later chunks are still being pushed, so every link sends
+            and receives at once (BytePS-style pipelining; results bit for bit as
+            with False). The round's learning rates and hyperparameters are read at
+            its first gradient: set them before ``backward()`` (a change between
+            ``backward()`` and ``step()`` makes ``step()`` raise ``ValueError``).
+            Rounds that clip or scale are not streamed. The same on every worker
+            of a job. False: push the whole round, then pull it.
 
     Raises:
         ValueError: a chunk that does not fit in a message, an unknown wire type,
@@ -130,6 +139,7 @@ class WireOptions:
     connect_timeout: float = 30.0
     retry_seconds: float = 60.0
     security: ChannelSecurity | None = None
+    streamed: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.chunk_bytes) or self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes % MASTER_ITEMSIZE:
@@ -147,8 +157,9 @@ class WireOptions:
                 wire_dtype(getattr(self, name))
             except (ValueError, TypeError) as exc:  # TypeError: an unhashable value
                 raise ValueError(f"{name}: {exc}") from None
-        if not isinstance(self.checksum, bool):
-            raise ValueError(f"checksum must be True or False, got {self.checksum!r}")
+        for name in ("checksum", "streamed"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _positive_seconds("rpc_timeout", self.rpc_timeout)
         _positive_seconds("connect_timeout", self.connect_timeout)
         _positive_seconds("retry_seconds", self.retry_seconds, zero=True)
@@ -209,7 +220,7 @@ class ObservabilityOptions:
 MOVED_KEYWORDS: dict[str, str] = {
     **dict.fromkeys(("mode", "staleness", "scale_lr_by_staleness"), "consistency"),
     **dict.fromkeys(("chunk_bytes", "push_dtype", "pull_dtype", "checksum", "max_message_bytes", "rpc_timeout",
-                     "connect_timeout", "retry_seconds", "security"), "wire"),
+                     "connect_timeout", "retry_seconds", "security", "streamed"), "wire"),
     **dict.fromkeys(("metrics_port", "metrics_host", "metrics_registry", "on_membership_change"), "observability"),
 }
 _GROUP_CLASSES = {"consistency": "ConsistencyOptions", "wire": "WireOptions", "observability": "ObservabilityOptions"}

@@ -130,6 +130,14 @@ class DistributedOptimizer(RoundSteps, JobView):
     A keyword that moved into a group (``mode=``, ``chunk_bytes=``, ``metrics_port=``...)
     raises a ``TypeError`` naming the group to put it in.
 
+    ``last_timeline`` is the timeline of the last round whose pull landed,
+    in seconds from the step's first push (its first gradient hook):
+    ``step_called`` (``step()`` closed the pushes), ``push_end`` (the last
+    shard's push sent), ``first_pull`` and ``last_pull`` (the first and last
+    frame received from any shard); None before the first round. In a
+    streamed round ``first_pull`` comes before ``push_end``: the links
+    send and receive at once.
+
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
 
@@ -196,6 +204,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         self._pull_code = wire_dtype(wire.pull_dtype)
         self._passes = backward_passes_per_step
         self._checksum = wire.checksum
+        self._streamed = wire.streamed and consistency.mode == "sync"
         named_map = dict(named)
         self._params = {k.key: named_map[k.key] for k in keys}
         self._index = {k.key: i for i, k in enumerate(keys)}
@@ -225,6 +234,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
+        self.last_timeline: dict[str, float] | None = None
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         self._watcher: WaitWatcher | None = None
         self._job_id = ""

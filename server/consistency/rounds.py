@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -64,6 +63,8 @@ from shardps.server.metrics import ShardMetrics
 from shardps.server.consistency.modes import Mode, StalenessHistogram
 from shardps.server.dense.bounds import average_bound
 from shardps.server.dense.optimizer import RoundRefused, ShardOptimizer, average_
+from shardps.server.consistency.commits import CommitExchange
+from shardps.server.consistency.streamed import StreamedRounds
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class Closed:
         return _needs_commit(self.lead.trailer)
 
 
-class Rounds:
+class Rounds(CommitExchange):
     """The open round of one shard, its parameters, buffers and optimizer.
 
     Attributes:
@@ -156,6 +157,8 @@ class Rounds:
         self._spare: list[dict[int, torch.Tensor]] = []
         self._spare_arenas: list[torch.Tensor] = []
         self._task: asyncio.Task | None = None
+        #: streamed sync rounds (``streamed.py``), applied a chunk at a time
+        self.streamed = StreamedRounds(self, members, notify, run)
 
     def start(self, table: ChunkTable, optimizer: ShardOptimizer, params: dict[int, torch.Tensor],
               buffers: torch.Tensor, hyperparam_names: list[set[str]]) -> None:
@@ -181,7 +184,8 @@ class Rounds:
 
     def waiting_for(self) -> list[str]:
         """Members whose push of the open round has not been accepted, then checkpoint members not back yet."""
-        waiting = [w for w in self._members.ids() if w not in self.pushed]
+        streamed = self.streamed.waiting_for()
+        waiting = streamed if streamed is not None else [w for w in self._members.ids() if w not in self.pushed]
         return waiting + sorted(self.rejoining - set(self._members.ids()))
 
     def await_rejoin(self, worker_ids: list[str], seconds: float) -> None:
@@ -195,6 +199,7 @@ class Rounds:
         self.rejoining = set(worker_ids)
 
         def give_up() -> None:
+            self.streamed.wake()
             if self.rejoining:
                 log.warning("shard %d: %s did not join again within %.0fs of the restore; rounds go on without "
                             "them", self.config.shard_index, sorted(self.rejoining - set(self._members.ids())),
@@ -204,6 +209,51 @@ class Rounds:
             self._notify()
 
         asyncio.get_running_loop().call_later(seconds, give_up)
+
+    @property
+    def in_progress(self) -> bool:
+        """Some member's push of the open round was accepted (plain) or has begun (streamed)."""
+        return bool(self.pushed) or self.streamed.in_progress()
+
+    def open_pushers(self) -> list[str]:
+        """Members whose push of the open round was accepted (plain or streamed), sorted."""
+        return sorted(set(self.pushed) | self.streamed.accepted())
+
+    @property
+    def hyperparam_names(self) -> list[set[str]]:
+        """Each group's hyperparameter names (without ``lr``) the job fixed."""
+        return self._hyperparam_names
+
+    def take_staging(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """A gradient buffer (and a buffer arena if the plan has buffers) for one push; :meth:`give_back` it."""
+        staging = self._spare.pop() if self._spare else self.table.allocate()
+        arena = None
+        if self.table.buffer_chunks:
+            arena = self._spare_arenas.pop() if self._spare_arenas else self.table.allocate_buffers()
+        return staging, arena
+
+    def give_back(self, staging: dict[int, torch.Tensor] | None, arena: torch.Tensor | None) -> None:
+        """Return a push's buffers for reuse (at most one spare per member is kept)."""
+        self._give_back(staging, arena)
+
+    def still_rejoining(self) -> bool:
+        """After a restore: rounds still wait for members of the checkpoint (see :meth:`await_rejoin`)."""
+        return self._still_rejoining()
+
+    def round_completed(self, number: int, members: list[Member], staleness: int, update_seconds: float,
+                        skip: bool = False) -> None:
+        """Bookkeeping of an applied round: version, counters, metrics, the members' clocks."""
+        self.version += 1
+        self.applied += 1
+        self.last_contributors = len(members)
+        self.contributions_applied += len(members)
+        self.skipped += skip
+        self.state_bytes = self.optimizer.state_bytes()
+        self.staleness.record(staleness, len(members))
+        self.metrics.round_applied(self.mode.name, update_seconds, staleness, len(members))
+        for m in members:
+            m.clock += 1
+            m.applied_round = number
 
     def _still_rejoining(self) -> bool:
         if self.rejoining and self.rejoining <= set(self._members.ids()):
@@ -240,6 +290,10 @@ class Rounds:
             earlier = self.pushed.get(member.worker_id)
             return 0, earlier is not None and _needs_commit(earlier.trailer)
         if self.mode.synchronous:
+            if self.streamed.current is not None:
+                raise FailedPrecondition(f"worker {shown(member.worker_id)} pushed round {rnd} unstreamed but other "
+                                         "members stream it: every worker of a job must use the same "
+                                         "WireOptions(streamed=...)")
             if self.applying:
                 raise Aborted(
                     f"round {self.version} is being applied; pull version {self.version + 1}, "
@@ -259,24 +313,12 @@ class Rounds:
         if member.pushing is not None:
             raise Aborted(f"another push from worker {shown(member.worker_id)} is in progress")
         member.pushing = asyncio.current_task()  # a Leave ends it (and frees its staging)
-        staging = self._spare.pop() if self._spare else self.table.allocate()
-        arena = None
-        if self.table.buffer_chunks:
-            arena = self._spare_arenas.pop() if self._spare_arenas else self.table.allocate_buffers()
+        staging, arena = self.take_staging()
         what = f"push of round {rnd}"
         try:
             rx = self.table.receiver(rnd, staging, arena, what=what,
                                      reject_nonfinite=self.config.reject_nonfinite and not header.scaled)
-            trailer = None
-            async for raw in frames:
-                frame = rx.add(raw)
-                if frame.trailer is not None:
-                    trailer = frame.trailer
-                    break
-                if frame.header is None:
-                    raise InvalidArgument(f"{what}: only chunks and then a RoundTrailer may follow the round header")
-            if trailer is None:
-                raise InvalidArgument(f"{what}: the stream ended without its RoundTrailer")
+            trailer = await rx.read_push(frames)
             hyperparams = checks.check_trailer(trailer, len(self._hyperparam_names), self._hyperparam_names)
             if (trailer.inv_scale or trailer.max_grad_norm) and not can_commit:
                 raise InvalidArgument(f"{what}: a round that clips or scales needs PushPull (it exchanges a report "
@@ -405,17 +447,7 @@ class Rounds:
             ))
             raise
         else:
-            self.version += 1
-            self.applied += 1
-            self.last_contributors = len(closed.members)
-            self.contributions_applied += len(closed.members)
-            self.skipped += skip
-            self.state_bytes = self.optimizer.state_bytes()
-            self.staleness.record(staleness, len(closed.members))
-            self.metrics.round_applied(self.mode.name, update_seconds, staleness, len(closed.members))
-            for m in closed.members:
-                m.clock += 1
-                m.applied_round = closed.number
+            self.round_completed(closed.number, closed.members, staleness, update_seconds, skip)
         finally:
             for grads, arena in zip(closed.grads, closed.arenas):
                 self._give_back(grads, arena)
@@ -446,46 +478,6 @@ class Rounds:
                 log.warning("round %d: worker %s pushed other hyperparameters than %s; %s's are used",
                             closed.number, shown(w), shown(workers[0]), shown(workers[0]))
 
-    async def _commits(self, closed: Closed) -> pb.RoundCommit:
-        """Wait for the commit of every member of the closed round still here; they must agree."""
-        self._check_committed(closed)
-        try:
-            await asyncio.wait_for(closed.committed.wait(), self.config.max_wait_seconds)
-        except TimeoutError:
-            missing = [shown(m.worker_id) for m in closed.members if m.worker_id not in closed.commits]
-            raise RoundRefused(f"workers {missing[:20]} did not commit round {closed.number} within "
-                               f"{self.config.max_wait_seconds:.0f}s") from None
-        commits = list(closed.commits.values())
-        if not commits:
-            raise RoundRefused("every member of the round left before committing it")
-        first = commits[0]
-        if any((c.skip, c.clip_coef) != (first.skip, first.clip_coef) for c in commits):
-            raise RoundRefused("the workers' commits disagree (skip or clip coefficient): they must see the same "
-                               "reports")
-        return first
-
-    def _check_committed(self, closed: Closed) -> None:
-        here = [m for m in closed.members if self._members.find(m.worker_id) is m]
-        if all(m.worker_id in closed.commits for m in here):
-            closed.committed.set()
-
-    def commit(self, member: Member, commit: pb.RoundCommit) -> None:
-        """Record ``member``'s commit of the closed round.
-
-        Raises:
-            FailedPrecondition: no such round is waiting for commits, or the member is not in it.
-            InvalidArgument: a clip coefficient that is not a number in (0, 1].
-        """
-        closed = self.closed
-        if closed is None or closed.number != commit.round or closed.report is None:
-            raise FailedPrecondition(f"round {commit.round} is not waiting for commits")
-        if member not in closed.members:
-            raise FailedPrecondition(f"worker {shown(member.worker_id)} is not in round {commit.round}")
-        if not commit.skip and not (math.isfinite(commit.clip_coef) and 0 < commit.clip_coef <= 1):
-            raise InvalidArgument(f"clip_coef {commit.clip_coef} must be in (0, 1]")
-        closed.commits.setdefault(member.worker_id, commit)
-        self._check_committed(closed)
-
     def _refuse(self, closed: Closed, error: Exception) -> None:
         log.warning("shard %d: %s", self.config.shard_index, error)
         self.pushes_dropped += len(closed.members)
@@ -503,6 +495,7 @@ class Rounds:
         applying_it = self.closed is not None and member in self.closed.members
         if not applying_it and self.pushed.pop(member.worker_id, None) is not None:
             self.pushes_dropped += 1  # (a closed round being applied still counts it: it stays in ``pushed``)
+        self.streamed.dropped(member)
         if member.pushing is not None:  # its stream's staging comes back when the task unwinds
             stop_call(member.pushing, Aborted(f"worker {shown(member.worker_id)} left during its push"))
         self._give_back(member.staging, member.arena)

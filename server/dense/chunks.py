@@ -9,10 +9,11 @@ rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 
 import torch
 
+from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import TORCH_DTYPES, DecodedFrame, FrameError, copy_payload, encode_chunk
 from shardps.common.plan import Chunk, PartitionPlan
 from shardps.server.dense.bounds import grad_bound
@@ -46,6 +47,10 @@ class ChunkTable:
         self.key_slices = plan.key_slices(shard_index)
         self.buffer_bytes = max((c.shard_offset + c.numel * TORCH_DTYPES[c.dtype].itemsize
                                  for c in self.buffer_chunks), default=0)
+
+    def units(self) -> dict[int, tuple[int, int, int, int]]:
+        """``{chunk index: (key index, group, start, end)}``: the optimizer's units, one per parameter chunk."""
+        return {i: (c.key_index, c.group, c.shard_offset, c.shard_offset + c.numel) for i, c in enumerate(self.chunks)}
 
     @property
     def numel(self) -> int:
@@ -156,6 +161,10 @@ class Receiver:
         self.seen = bytearray(len(table.chunks))
         self.seen_buffers = bytearray(len(table.buffer_chunks))
         self.received = 0
+        #: the last chunk added: ``(is_buffer, index)`` (index into ``table.chunks`` or ``table.buffer_chunks``)
+        self.last: tuple[bool, int] | None = None
+        #: with ``reject_nonfinite``: the bound of each parameter chunk received (0 for the others)
+        self.chunk_bounds = [0.0] * len(table.chunks)
 
     def add(self, raw: bytes) -> DecodedFrame:
         """Decode one frame; a chunk goes into its place, a control message is returned to the caller.
@@ -195,6 +204,7 @@ class Receiver:
                 # one pass while the chunk is in cache: the bound the update's finite proof starts from
                 bound = grad_bound((dst,)) if self.reject_nonfinite else 0.0
                 self.grad_bound = max(self.grad_bound, bound)
+                self.chunk_bounds[index] = bound
                 if self.reject_nonfinite and not math.isfinite(bound) and not bool(torch.isfinite(dst).all()):
                     raise InvalidArgument(
                         f"{what}: values of key {h.key!r} (elements {h.offset}..{h.offset + h.numel}) hold NaN or Inf"
@@ -202,7 +212,33 @@ class Receiver:
         except FrameError as exc:
             raise InvalidArgument(f"{what}: {exc}") from None
         seen[index] = 1
+        self.last = (is_buffer, index)
         self.received += len(frame.payload)
+
+    async def read_push(self, frames: AsyncIterator[bytes],
+                        on_chunk: Callable[[bool, int], None] | None = None) -> pb.RoundTrailer:
+        """Add every chunk frame of a push stream up to its trailer; ``on_chunk(is_buffer, index)`` after each.
+
+        Returns:
+            The push's trailer (the frames after it are not read).
+
+        Raises:
+            InvalidArgument: what :meth:`add` raises; a control frame other than the trailer; a stream that
+                ends without its trailer.
+        """
+        async for raw in frames:
+            frame = self.add(raw)
+            if frame.trailer is not None:
+                return frame.trailer
+            if frame.header is None:
+                raise InvalidArgument(f"{self.what}: only chunks and then a RoundTrailer may follow the round header")
+            if on_chunk is not None:
+                on_chunk(*self.last)
+        raise InvalidArgument(f"{self.what}: the stream ended without its RoundTrailer")
+
+    def absent_chunks(self, absent: Collection[int]) -> set[int]:
+        """Indices into ``table.chunks`` of the keys in ``absent`` (plan indices; unknown ones are ignored)."""
+        return {i for k in absent for i in self.table.chunks_of_key.get(k, ())}
 
     def finish(self, absent: Collection[int] = ()) -> int:
         """Check that every expected chunk arrived; zero the slices of ``absent`` keys.

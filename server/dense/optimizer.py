@@ -51,7 +51,6 @@ clip coefficient, which :meth:`ShardOptimizer.apply` multiplies in.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import replace
@@ -61,12 +60,13 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import OptimizerSpecError, build_optimizer
 from shardps.server.dense import bounds
+from shardps.server.dense.unit_state import IMPL_KEYS as _IMPL_KEYS
+from shardps.server.dense.unit_state import TRIAL_ELEMENTS, StateError, UnitState  # noqa: F401 (StateError: re-exported)
+from shardps.server.dense.unit_state import finite as _finite
+from shardps.server.dense.unit_state import per_element_entries as _per_element
 
 #: Elements per dry-run batch (1 MiB of fp32: parameters, gradients and state stay in cache).
 SEGMENT = 1 << 18
-#: Elements of each scratch parameter the join-time trial step runs on.
-TRIAL_ELEMENTS = 64
-_IMPL_KEYS = ("params", "fused", "foreach")
 
 
 class RoundRefused(Exception):
@@ -78,20 +78,6 @@ class RoundRefused(Exception):
     def __init__(self, reason: str, key: int = -1) -> None:
         super().__init__(reason)
         self.reason, self.key = reason, key
-
-
-class StateError(ValueError):
-    """Optimizer state to load that does not fit this shard's parameters or optimizer."""
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """True if every element of ``t`` is finite: a cache-hot sum, the exact test only if the sum is not finite."""
-    return t.numel() == 0 or math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
-
-
-def _per_element(state: dict, numel: int) -> dict:
-    """The entries of one parameter's optimizer state that hold one value per element."""
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == numel and v.dim() == 1}
 
 
 def average_(grads: Sequence[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
@@ -113,7 +99,7 @@ def average_(grads: Sequence[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor
     return out
 
 
-class ShardOptimizer:
+class ShardOptimizer(UnitState):
     """Runs the workers' optimizer class over a shard's parameters, one tensor per key.
 
     Args:
@@ -121,18 +107,34 @@ class ShardOptimizer:
         params: ``{group index: 1-D float32 tensor}``, the shard's master weights
             (updated in place).
         slices: ``{key index: (group, start, end)}``, each key's slice of its group's buffer.
+        units: ``{unit: (key index, group, start, end)}``: the tensors torch.optim steps, each a
+            contiguous piece of one key's slice (the shard passes one per chunk, so a round can be
+            applied a chunk at a time: :meth:`apply`'s ``units``); None: one per key. The optimizers
+            a shard runs are element-wise (``shardps.common.optim.SHARDABLE``) and every piece of a
+            key is stepped in the same rounds, so each element gets exactly the values one tensor
+            per key would give; state goes in and out per key (:meth:`get_state`, :meth:`load_state`).
 
     Raises:
         shardps.common.optim.OptimizerSpecError: from :func:`build_optimizer`.
     """
 
     def __init__(self, spec: pb.OptimizerSpec, params: dict[int, torch.Tensor],
-                 slices: dict[int, tuple[int, int, int]]) -> None:
+                 slices: dict[int, tuple[int, int, int]],
+                 units: dict[int, tuple[int, int, int, int]] | None = None) -> None:
         self.spec, self.params, self.slices = spec, params, slices
         self.groups = sorted(params)
-        self.keys_of = {g: sorted(k for k, (kg, _, _) in slices.items() if kg == g) for g in self.groups}
-        self.views = {k: params[g][start:end] for k, (g, start, end) in slices.items()}
-        self.optimizer = build_optimizer(spec, [(g, [self.views[k] for k in self.keys_of[g]]) for g in self.groups])
+        if units is None:
+            units = {k: (k, g, start, end) for k, (g, start, end) in slices.items()}
+        self.unit_key = {u: k for u, (k, _, _, _) in units.items()}
+        self.units_of_key: dict[int, list[int]] = {}
+        for u in sorted(units, key=lambda u: units[u][1:]):
+            self.units_of_key.setdefault(units[u][0], []).append(u)
+        self.units_of = {g: sorted((u for u, (_, ug, _, _) in units.items() if ug == g), key=lambda u: units[u][2])
+                         for g in self.groups}
+        #: ``{unit: 1-D view of its group's buffer}``: the tensors torch.optim steps
+        self.unit_slices = {u: (g, start, end) for u, (_, g, start, end) in units.items()}
+        self.views = {u: params[g][start:end] for u, (_, g, start, end) in units.items()}
+        self.optimizer = build_optimizer(spec, [(g, [self.views[u] for u in self.units_of[g]]) for g in self.groups])
         self._trials: dict[int, torch.optim.Optimizer] = {}
         # scratch shared by every group's dry run: (1 + state buffers) x SEGMENT x 4 bytes
         self._scratch = torch.empty(SEGMENT)
@@ -232,7 +234,8 @@ class ShardOptimizer:
         return norms.pow(norm_type).sum().item(), False
 
     def apply(self, grads: dict[int, torch.Tensor], present: Collection[int], lrs: Sequence[float],
-              clip_coef: float = 1.0, check: bool = True, grad_bound: float | None = None) -> None:
+              clip_coef: float = 1.0, check: bool = True, grad_bound: float | None = None,
+              units: Collection[int] | None = None) -> None:
         """Step the keys in ``present`` with the averaged ``grads`` (times ``clip_coef``), or refuse.
 
         Args:
@@ -248,6 +251,8 @@ class ShardOptimizer:
                 ``grads`` (before ``clip_coef``), from where the gradient was made
                 (:func:`~shardps.server.dense.bounds.average_bound`); None: one pass
                 over ``grads`` measures it.
+            units: step only these units (a round applied a chunk at a time; each unit
+                of a present key exactly once per round); None: every unit.
 
         Raises:
             RoundRefused: the new parameters or optimizer state would not be
@@ -262,11 +267,14 @@ class ShardOptimizer:
         for local, g in enumerate(self.groups):
             param_groups[local]["lr"] = lrs[g]
         stepped = set()
-        for k, view in self.views.items():
-            group, start, end = self.slices[k]
-            view.grad = grads[group][start:end] if k in present else None
-            if k in present:
+        for u, view in self.views.items():
+            k = self.unit_key[u]
+            if k in present and (units is None or u in units):
+                group, start, end = self.unit_slices[u]
+                view.grad = grads[group][start:end]
                 stepped.add(group)
+            else:
+                view.grad = None
         try:
             if not check:
                 self._bounds.clear()
@@ -309,7 +317,7 @@ class ShardOptimizer:
             b = self._bounds.get(g)
             for _ in range(2):
                 if b is None or b.version != self.params[g]._version:
-                    b = bounds.measure(self.optimizer, (self.views[k] for k in self.keys_of[g]), self.params[g],
+                    b = bounds.measure(self.optimizer, (self.views[u] for u in self.units_of[g]), self.params[g],
                                        hyper.get("eps"))
                     self._bounds[g] = b
                 try:
@@ -352,8 +360,8 @@ class ShardOptimizer:
         """Step copies of every view that has a gradient, a batch of up to SEGMENT elements at a time."""
         for local, g in enumerate(self.groups):
             items = []  # (key, view slice, gradient slice, state)
-            for k in self.keys_of[g]:
-                view = self.views[k]
+            for u in self.units_of[g]:
+                k, view = self.unit_key[u], self.views[u]
                 if view.grad is None:
                     continue
                 state = self.optimizer.state.get(view, {})
@@ -409,99 +417,3 @@ class ShardOptimizer:
             what = "optimizer state" if _finite(p) else "parameters"
             raise RoundRefused(f"the update would make the {what} non-finite", k)
         trial.state.clear()
-
-    # ------------------------------------------------------------------ state
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state (moments, momentum buffers, step counters)."""
-        if self.optimizer is None:
-            return 0
-        return sum(
-            v.numel() * v.element_size()
-            for st in self.optimizer.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor)
-        )
-
-    def get_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """``{key index: {name: tensor}}`` of every key that has optimizer state (copies)."""
-        if self.optimizer is None:
-            return {}
-        return {k: {name: v.detach().clone() for name, v in self.optimizer.state[view].items()
-                    if isinstance(v, torch.Tensor)}
-                for k, view in self.views.items() if self.optimizer.state.get(view)}
-
-    def expected_state(self, group: int) -> tuple[set[str], set[str]]:
-        """``(per-element names, scalar names)`` this optimizer keeps for a parameter of ``group``."""
-        local = self.groups.index(group)
-        p = torch.zeros(TRIAL_ELEMENTS)
-        hyper = {k: v for k, v in self.optimizer.param_groups[local].items() if k not in _IMPL_KEYS}
-        impl = {"fused": True} if self.optimizer.defaults.get("fused") else {"foreach": True}
-        opt = type(self.optimizer)([{"params": [p], **hyper}], **impl)
-        p.grad = torch.ones_like(p)
-        opt.step()
-        state = opt.state[p]
-        per_element = set(_per_element(state, TRIAL_ELEMENTS))
-        return per_element, {k for k, v in state.items() if isinstance(v, torch.Tensor)} - per_element
-
-    def load_state(self, states: dict[int, dict[str, torch.Tensor]], compare_only: bool = False) -> bool:
-        """Replace the optimizer state of every key, all or nothing.
-
-        Args:
-            states: ``{key index: {name: tensor}}``; a key left out has no state
-                (it was never stepped). Per-element entries are 1-D with the
-                key's slice length, scalar entries hold one element.
-            compare_only: check and compare, change nothing.
-
-        Returns:
-            True if the new state differs from the current one.
-
-        Raises:
-            StateError: an unknown key or entry name, a wrong size, a missing
-                entry, or a non-finite value.
-        """
-        if self.optimizer is None:
-            if states:
-                raise StateError("state for keys this shard does not hold (it holds no parameter elements)")
-            return False
-        expected = {g: self.expected_state(g) for g in self.groups}
-        new = {}
-        for k, st in states.items():
-            if k not in self.views:
-                raise StateError(f"state for key index {k}, which this shard does not hold")
-            view = self.views[k]
-            per_element, scalars = expected[self.slices[k][0]]
-            if set(st) != per_element | scalars:
-                raise StateError(f"state of key index {k} has entries {sorted(st)}; this optimizer keeps "
-                                 f"{sorted(per_element | scalars)}")
-            for name, value in st.items():
-                want = view.numel() if name in per_element else 1
-                if value.numel() != want:
-                    raise StateError(f"state {name!r} of key index {k} has {value.numel()} values, not {want}")
-                if value.is_floating_point() and not _finite(value.reshape(-1)):
-                    raise StateError(f"state {name!r} of key index {k} holds NaN or Inf")
-            new[view] = {name: v.reshape(-1).clone() if name in per_element else v.reshape(()).clone()
-                         for name, v in st.items()}
-        current = self.optimizer.state
-        changed = set(new) != {v for v, st in current.items() if st} or any(
-            set(st) != set(current[v]) or any(not torch.equal(st[n], current[v][n]) for n in st)
-            for v, st in new.items()
-        )
-        if changed and not compare_only:
-            current.clear()
-            current.update(new)
-            self._bounds.clear()
-        return changed
-
-    def digest(self, version: int) -> str:
-        """SHA-256 (hex) of ``version``, every parameter byte and every optimizer-state value, in key order."""
-        h = hashlib.sha256(version.to_bytes(8, "little"))
-        for k in sorted(self.views):
-            view = self.views[k]
-            h.update(view.numpy().tobytes())
-            state = self.optimizer.state.get(view, {}) if self.optimizer is not None else {}
-            for name in sorted(state):
-                v = state[name]
-                h.update(name.encode())
-                h.update(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if isinstance(v, torch.Tensor)
-                         else repr(v).encode())
-        return h.hexdigest()

@@ -4,7 +4,9 @@
 steps at 1000 Mbit/s (the figures are not the point here: the benchmark's
 goals are reported by it, never tested). Checked: every row is in the JSON
 with a positive samples/s and a finite final loss, shardps sync computes
-what DDP computes, the links carried at least the model's bytes, and no
+what DDP computes (streamed rounds exactly what push-then-pull rounds do),
+streamed rounds pull their first chunk before their push ends, the links
+carried at least the model's bytes, and no
 namespace of the run is left. Skipped, with the benchmark's own reason,
 only where network namespaces cannot be made (no CAP_NET_ADMIN).
 """
@@ -23,8 +25,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "cluster.py"
-SYSTEMS = ("sync", "sync_bf16", "async", "ddp", "ddp_fp16")
-TIMEOUT_S = 120
+SYSTEMS = ("sync", "sync_bf16", "sync_plain", "sync_clip", "async", "ddp", "ddp_fp16")
+TIMEOUT_S = 240
 EXIT_NO_NAMESPACES = 77
 
 
@@ -77,5 +79,11 @@ def test_cluster_benchmark(tmp_path: Path) -> None:
         sent, received = row["worker_link_bytes_per_step"]["sent"], row["worker_link_bytes_per_step"]["received"]
         assert sent >= 0.9 * wire and received >= 0.9 * wire, (system, sent, received, wire)
         assert sent < 2 * model_bytes, (system, sent)
-    # sync is exact: the same final parameters as DDP's allreduce
+    # sync is exact: the same final parameters as DDP's allreduce, streamed or not
     assert math.isclose(result["rows"]["sync"]["final_loss"], result["rows"]["ddp"]["final_loss"], rel_tol=1e-4)
+    assert result["rows"]["sync"]["final_loss"] == result["rows"]["sync_plain"]["final_loss"]
+    # the timeline: in streamed rounds the first pulled chunk arrives before the push ends; push then pull
+    # rounds pull after the push
+    streamed, plain = result["rows"]["sync"]["timeline_ms"], result["rows"]["sync_plain"]["timeline_ms"]
+    assert 0 <= streamed["first_pull"] < streamed["push_end"] <= streamed["last_pull"], streamed
+    assert 0 <= plain["push_end"] <= plain["first_pull"] <= plain["last_pull"], plain

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PHASES = {"forward", "forward_wait_for_pull", "backward", "step_call", "grad_copy_off_device", "push",
-          "push_after_backward", "round_wait", "pull", "copy_onto_device", "pull_after_step"}
+          "push_after_backward", "round_wait", "pull", "push_pull_overlap", "copy_onto_device", "pull_after_step"}
 MARKS = {"forward_end", "backward_end", "step_returned", "push_start", "push_end", "first_chunk_pulled",
          "last_chunk_pulled", "next_step_start"}
 

@@ -111,7 +111,9 @@ class Job:
             m = self.models[i]
             opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
             with DistributedOptimizer(opt, m.named_parameters(), servers=self.servers, worker_id=f"w{i}",
-                                      wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0)) as dist:
+                                      # plain rounds: the fuzz member pushes with the unary Push, and a
+                                      # job's pushes are all streamed or all plain
+                                      wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0, streamed=False)) as dist:
                 self.joined.wait(60)
                 for step in range(STEPS):
                     with self.cond:

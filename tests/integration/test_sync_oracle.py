@@ -65,7 +65,8 @@ def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optim
     return model, opt
 
 
-def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False) -> list[nn.Module]:
+def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False,
+                  streamed: bool = False) -> list[nn.Module]:
     x, y = data()
     per = BATCH // workers
     models = [make_model() for _ in range(workers)]
@@ -75,7 +76,8 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
         opt, sched = make_optimizer(name, model)
         with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
                                   model=model if overlap else None,
-                                  wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0)) as dist:
+                                  wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
+                                                   streamed=streamed)) as dist:
             for step in range(STEPS):
                 dist.zero_grad()
                 part = slice(i * per, (i + 1) * per)

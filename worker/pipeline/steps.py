@@ -58,10 +58,17 @@ class RoundSteps:
             self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
             decide = self._decide if self._pushed_options.needs_commit else None
             rnd = Round(len(self._clients), self._chunk_counts, decide)
+            if self._streamed and decide is None:  # the shards apply each chunk as it completes (streamed.py)
+                rnd.options = pb.RoundTrailer(lrs=self._round_lrs(), group_hyperparams_json=self._hyperparams.changed())
             for shard, client in enumerate(self._clients):
-                requests = push_requests(self._header(self.versions[shard]), shard, self._push_dtype,
-                                         self._checksum, rnd, self._rpc_timeout)
+                header = self._header(self.versions[shard])
+                if rnd.options is not None:
+                    header.streamed = True
+                    header.options.CopyFrom(rnd.options)
+                requests = push_requests(header, shard, self._push_dtype, self._checksum, rnd, self._rpc_timeout)
                 rnd.calls.append(client.push_pull(requests))
+            if rnd.options is not None:  # the new version comes back while the round is pushed
+                self._receive(rnd)
             self._round = rnd
         return self._round
 
@@ -119,7 +126,15 @@ class RoundSteps:
             rnd = self._open_round()
             try:
                 rnd.check_edits(self._params)
-            except GradientEditedError:
+                if rnd.options is not None and (lrs != list(rnd.options.lrs) or self._hyperparams.changed()):
+                    for call in rnd.calls:
+                        call.cancel()
+                    self._hyperparams.resend()
+                    raise ValueError(
+                        "the learning rates or hyperparameters changed between the step's first gradient and step(): "
+                        "with WireOptions(streamed=True) the shards apply each chunk as it arrives, so set them "
+                        "before backward() (LR schedulers stepped after step() do), or pass streamed=False")
+            except (GradientEditedError, ValueError):
                 self._round, self._counts = None, dict.fromkeys(self._counts, 0)
                 raise
             absent = []
@@ -143,14 +158,19 @@ class RoundSteps:
             self._counts = dict.fromkeys(self._counts, 0)
         if self._waits is not None:
             self._waits.learn()
+        if not rnd.futures:
+            self._receive(rnd)
+        self._pulling = rnd
+        if self._watcher is not None:
+            self._watcher.begin(min(self.versions))  # says what the round waits for if it takes over 2 s
+
+    def _receive(self, rnd: Round) -> None:
+        """Read every shard's answer to ``rnd`` in the background (the pool's threads)."""
         expected = [v + 1 for v in self.versions]
         rnd.futures = [
             self._pool.submit(self._sink.receive, self._clients[s], call, expected[s], "push_pull", rnd)
             for s, call in enumerate(rnd.calls)
         ]
-        self._pulling = rnd
-        if self._watcher is not None:
-            self._watcher.begin(min(self.versions))  # says what the round waits for if it takes over 2 s
 
     def _finish_pull(self, rejoin: bool = True) -> None:
         """Wait for the pending pulls (if any), record the versions received, rejoin restarted shards.
@@ -173,6 +193,10 @@ class RoundSteps:
                 if self._watcher is not None:
                     self._watcher.end()
             if not failed:
+                self.last_timeline = {
+                    "step_called": rnd.closed_at - rnd.opened_at, "push_end": max(rnd.sent_at) - rnd.opened_at,
+                    "first_pull": min((t for t in rnd.first_pulled_at if t), default=rnd.opened_at) - rnd.opened_at,
+                    "last_pull": max(rnd.last_pulled_at) - rnd.opened_at}
                 self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
                                         sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))
             if failed:

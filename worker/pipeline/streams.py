@@ -58,11 +58,17 @@ class Round:
         self.reports: dict[int, pb.RoundReport] = {}
         self.commit: pb.RoundCommit | None = None
         self.decided = threading.Event()
+        #: streamed rounds (``WireOptions.streamed``): the learning rates and hyperparameters sent in the header
+        self.options: pb.RoundTrailer | None = None
         # for the worker's metrics: when step() closed the pushes, when each shard's push ended, bytes each way
         self.closed_at = 0.0
         self.sent_at = [0.0] * num_shards
         self.pushed_bytes = [0] * num_shards
         self.pulled_bytes = [0] * num_shards
+        # the timeline of the round (time.perf_counter()): opened, first and last frame pulled from each shard
+        self.opened_at = time.perf_counter()
+        self.first_pulled_at = [0.0] * num_shards
+        self.last_pulled_at = [0.0] * num_shards
 
     def chunk_arrived(self, key: str) -> None:
         with self.lock:
@@ -133,22 +139,25 @@ def push_requests(
     values)`` (sent in their own dtype) and ``("trailer", RoundTrailer)``,
     until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``.
     """
-    q, size = rnd.queues[shard], 0
+    q = rnd.queues[shard]
     frame = encode_round(header)
+    rnd.pushed_bytes[shard] = len(frame)
     yield frame
     while (item := q.get()) is not None:  # blocking wait for the hooks and step()
-        size += len(frame)
         kind = item[0]
         if kind == "trailer":
             frame = encode_control(trailer=item[1])
+            # counted before it is handed over: a streamed round's answer may end before this generator resumes
+            rnd.pushed_bytes[shard] += len(frame)
+            rnd.sent_at[shard] = time.perf_counter()
             yield frame
             continue
         chunk, values = item[1], item[2]
-        if kind == "grad":
-            values = values.to("cpu", push_dtype)  # host sync for CUDA gradients, off the hook
+        if kind == "grad":  # host sync for CUDA gradients, off the hook; narrowed on the device first, so that
+            values = values.to(push_dtype).to("cpu")  # bf16/fp16 also halve the bytes over PCIe
         frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
+        rnd.pushed_bytes[shard] += len(frame)
         yield frame
-    rnd.pushed_bytes[shard], rnd.sent_at[shard] = size + len(frame), time.perf_counter()
     rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
     if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report
         yield encode_control(commit=rnd.commit)
@@ -199,11 +208,21 @@ class ParameterSink:
         """
         shard = client.index
         version, count, size = None, 0, 0
+        held = [] if rnd is not None and rnd.options is not None else None  # streamed: copied once the call ends OK
         try:
             with torch.no_grad():
                 for raw in call:  # blocking reads from the network
                     size += len(raw)
+                    if rnd is not None:
+                        rnd.last_pulled_at[shard] = time.perf_counter()
+                        rnd.first_pulled_at[shard] = rnd.first_pulled_at[shard] or rnd.last_pulled_at[shard]
                     frame = decode_frame(raw)
+                    if frame.round is not None and held is not None:
+                        # the shard started the streamed round over without another member's push: what came
+                        # so far is void, every chunk comes again
+                        held.clear()
+                        version, count = None, 0
+                        continue
                     if frame.report is not None and rnd is not None and rnd.decide is not None and count == 0:
                         rnd.report_arrived(shard, frame.report)
                         continue
@@ -216,8 +235,11 @@ class ParameterSink:
                     if h.version != version or version < min_version:
                         raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
                     target = self.buffers[c.key] if c.buffer else self.params[c.key].data
-                    copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     count += 1
+                    if held is not None:
+                        held.append((h, frame.payload, target, c))
+                        continue
+                    copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     if rnd is not None:
                         rnd.chunk_arrived(c.key)
         except grpc.RpcError as exc:
@@ -229,4 +251,9 @@ class ParameterSink:
                 rnd.pulled_bytes[shard] = size
         if count != self.shard_sizes[shard]:
             raise RuntimeError(f"shard {shard} sent {count} of {self.shard_sizes[shard]} chunks in its {what}")
+        if held:  # the shard applied the whole round: only now does any of it reach the model
+            with torch.no_grad():
+                for h, payload, target, c in held:
+                    copy_payload(h, payload, target.view(-1)[c.offset : c.offset + c.numel])
+                    rnd.chunk_arrived(c.key)
         return min_version if version is None else version

@@ -1,0 +1,178 @@
+"""Streamed sync rounds (``WireOptions(streamed=True)``): each chunk applied as soon as every worker pushed it.
+
+Exact: the same parameters, bit for bit, as unstreamed rounds (and so as
+close to single-process training as those). All or nothing: a round that
+fails after some of its chunks were applied is undone on the shard, and
+the workers' models keep the previous version.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.codec import decode_frame, encode_chunk, encode_control, encode_round
+from shardps.worker.session.client import ShardClient
+from tests.integration.test_sync_oracle import train_sharded, train_single
+from tests.support.raw import RawWorker, plan_and_spec, snapshot
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov"])
+@pytest.mark.parametrize("num_shards, workers, overlap", [(1, 1, False), (2, 2, False), (3, 3, False),
+                                                          (2, 2, True)])
+def test_streamed_rounds_match_unstreamed_bit_for_bit(start_cluster, name: str, num_shards: int, workers: int,
+                                                      overlap: bool) -> None:
+    expected = train_single(name)
+    cluster = start_cluster(num_shards, min_workers=workers)
+    plain = train_sharded(name, workers, cluster.addresses, overlap=overlap)
+    cluster = start_cluster(num_shards, min_workers=workers)
+    streamed = train_sharded(name, workers, cluster.addresses, overlap=overlap, streamed=True)
+    for a, b in zip(plain, streamed):
+        for (key, want), got_plain, got in zip(expected.named_parameters(), a.parameters(), b.parameters()):
+            assert torch.equal(got, got_plain), f"{key}: streamed and unstreamed rounds differ"
+            assert (want - got).abs().max().item() < 1e-5, key
+
+
+# ---------------------------------------------------------------- all or nothing, by hand
+def _streamed(w: RawWorker, round_: int) -> tuple[queue.SimpleQueue, object]:
+    """Open ``w``'s streamed PushPull of ``round_``; put frames on the queue (None ends the stream)."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    header = w.header(round_, streamed=True)
+    header.options.lrs.append(0.1)
+
+    def requests():
+        yield encode_round(header)
+        while (frame := q.get()) is not None:
+            yield frame
+
+    return q, w.client.push_pull(requests())
+
+
+def _push_all(w: RawWorker, q: queue.SimpleQueue, round_: int, fill: float) -> None:
+    for key, offset, values in w.chunks(0, fill):
+        q.put(encode_chunk(key, offset, values, round_))
+    q.put(encode_control(trailer=w.trailer([0.1])))
+    q.put(None)
+
+
+def _round(workers: list[RawWorker], round_: int, fill: float) -> None:
+    calls = []
+    for w in workers:
+        q, call = _streamed(w, round_)
+        _push_all(w, q, round_, fill)
+        calls.append(call)
+    for call in calls:
+        frames = [decode_frame(raw) for raw in call]
+        assert {f.header.version for f in frames} == {round_ + 1}
+
+
+def _pulled(client: ShardClient, w: RawWorker, version: int, ref: nn.Module) -> dict[str, torch.Tensor]:
+    got = {}
+    request = pb.PullRequest(min_version=version, plan_fingerprint=w.plan.fingerprint, worker_id=w.worker_id,
+                             session=w.session)
+    for raw in client.pull(request):
+        f = decode_frame(raw)
+        got.setdefault(f.header.key, torch.empty(dict(ref.named_parameters())[f.header.key].numel()))[
+            f.header.offset : f.header.offset + f.header.numel] = torch.frombuffer(bytearray(f.payload),
+                                                                                  dtype=torch.float32)
+    return got
+
+
+@pytest.mark.parametrize("how", ["nan-chunk", "member-leaves"])
+def test_a_push_that_fails_after_chunks_were_applied_is_undone_and_the_round_starts_over(start_cluster,
+                                                                                          how: str) -> None:
+    """Chunks of round 1 are applied with b's push (b received one back), then b's push ends early: the shard
+    undoes them (parameters and Adam state as before the round), tells a to drop what it received (REWIND),
+    and applies round 1 again: with b's next push (b is still a member), or without b once b left."""
+    cluster = start_cluster(1, min_workers=2)
+    torch.manual_seed(0)
+    m = nn.Linear(20, 10)
+    make = lambda params: torch.optim.Adam(params, lr=0.1)  # noqa: E731 - state to undo, not only parameters
+    plan, spec = plan_and_spec(m, make(m.parameters()))
+    assert len(plan.chunks) >= 3
+    client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=20.0)
+    a, b = RawWorker(client, "a", plan, spec), RawWorker(client, "b", plan, spec)
+    a.join(), b.join()
+    a.init(0, dict(m.named_parameters()))
+    _round([a, b], 0, 0.5)  # Adam state exists now
+    before = snapshot(client)
+
+    qa, call_a = _streamed(a, 1)
+    _push_all(a, qa, 1, 0.25)
+    qb, call_b = _streamed(b, 1)
+    first, *rest = b.chunks(0, 0.25)
+    qb.put(encode_chunk(first[0], first[1], first[2], 1))
+    answers_b, answers_a = iter(call_b), iter(call_a)
+    applied = decode_frame(next(answers_b))  # the first chunk came back: the round is partly applied
+    assert applied.header.version == 2 and (applied.header.key, applied.header.offset) == first[:2]
+    assert decode_frame(next(answers_a)).header.version == 2  # a got it too
+    if how == "nan-chunk":
+        key, offset, values = rest[0]
+        qb.put(encode_chunk(key, offset, torch.full_like(values, float("nan")), 1))
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, "NaN"
+    else:
+        b.leave()
+        code, message = grpc.StatusCode.ABORTED, "left"
+    qb.put(None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(answers_b)
+    assert err.value.code() == code and message in err.value.details()
+    rewind = decode_frame(next(answers_a))
+    assert rewind.round is not None and rewind.header is None  # a drops what it received
+    if how == "nan-chunk":  # (once b left, a's push alone completes round 1 at once)
+        after = snapshot(client)
+        assert (after["version"], after["digest"]) == (before["version"], before["digest"])  # params, Adam state
+        qb, call_b = _streamed(b, 1)  # b is still a member: round 1 waits for its push again
+        _push_all(b, qb, 1, 0.25)
+        assert {decode_frame(raw).header.version for raw in call_b} == {2}
+    frames = [decode_frame(raw) for raw in answers_a]  # a's call of round 1 ends without error
+    assert {f.header.version for f in frames} == {2} and len(frames) == len(plan.chunks)
+    assert client.stats().version == 2
+    ref = nn.Linear(20, 10)
+    ref.load_state_dict(m.state_dict())
+    opt = make(ref.parameters())
+    for fill in (0.5, 0.25):  # b's push of round 1 was 0.25 too, or round 1 is a's alone
+        for p in ref.parameters():
+            p.grad = torch.full_like(p, fill)
+        opt.step()
+    got = _pulled(client, a, 2, ref)
+    for key, p in ref.named_parameters():
+        assert torch.equal(got[key], p.detach().reshape(-1)), key
+
+
+def test_learning_rate_changed_after_backward_is_refused_and_nothing_changes(start_cluster) -> None:
+    """Streamed rounds read the learning rates at the first gradient: a change before step() raises, loudly."""
+    from shardps import DistributedOptimizer, WireOptions
+
+    cluster = start_cluster(2)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.addresses, worker_id="w0",
+                              wire=WireOptions(chunk_bytes=64, streamed=True, rpc_timeout=30.0)) as dist:
+        nn.functional.mse_loss(model(x), y).backward()
+        dist.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        dist.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.param_groups[0]["lr"] = 0.05  # after backward: the shards may have applied chunks with 0.1
+        with pytest.raises(ValueError, match="changed between the step's first gradient and step"):
+            dist.step()
+        assert dist.version == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        dist.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()  # lr 0.05 from the start of this step: streamed as is
+        dist.step()
+        assert dist.version == 2
+        ref = nn.Linear(8, 4)
+        ref.load_state_dict({k: v for k, v in zip(("weight", "bias"), before)})
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for want, got in zip(ref.parameters(), model.parameters()):
+            assert torch.allclose(want, got, rtol=0, atol=1e-7)
