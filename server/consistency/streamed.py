@@ -91,6 +91,7 @@ class StreamedRound:
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()
         self.failing: asyncio.Task | None = None
+        self.closed = asyncio.Event()  # set when the round is finished or failed
         self.rewinding: asyncio.Task | None = None
         self.rewinds = 0  # times the round started over without a member's push
         self.average: dict[int, torch.Tensor] | None = None  # the average of the chunks applied
@@ -298,6 +299,20 @@ class StreamedRounds:
         if self.current is not None:
             self.current.wake.set()
 
+    async def settle(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until no streamed round is part-applied.
+
+        A Join waits here, so that its reply names the version the joiner starts from: a round whose
+        members are already fixed does not wait for the joiner, and the shard would otherwise answer with the
+        version before that round while other shards answer with the one after it.
+        """
+        rnd = self.current
+        if rnd is not None and rnd.frozen is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(rnd.closed.wait()), timeout)
+            except TimeoutError:
+                pass
+
     def in_progress(self) -> bool:
         """A streamed round is open and some member's push of it has begun."""
         return self.current is not None and bool(self.current.headers)
@@ -489,4 +504,5 @@ class StreamedRounds:
         if self.current is rnd:
             self.current = None
         self.rounds.applying = False
+        rnd.closed.set()
         self.notify()

@@ -66,10 +66,11 @@ def member_bytes(elements: int, chunk_bytes: int) -> int:
 def memory_estimate(baseline: int, elements: int, state_buffers: int, members: int, chunk_bytes: int) -> int:
     """Peak resident bytes of a shard once ``members`` workers push one round and pull its result together.
 
-    ``baseline + JOB_BYTES + 2 x 4 E (1 + S) + 4 SEGMENT (1 + S) + members x member_bytes(E, chunk_bytes)``:
-    the process before any job, the job's fixed part, parameters and optimizer state and the copies a
-    streamed round keeps to undo what it applied (``shardps.server.consistency.streamed``; counted
-    whether or not the workers stream, since they choose per round), the dry run's scratch, and each
+    ``baseline + JOB_BYTES + 4 E (3 + 2 S) + 4 SEGMENT (1 + S) + members x member_bytes(E, chunk_bytes)``:
+    the process before any job, the job's fixed part, parameters and optimizer state, the copies of
+    both a streamed round keeps to undo what it applied and its average (``shardps.server.consistency.
+    streamed``; counted whether or not the workers stream, since they choose per round), the dry run's
+    scratch, and each
     member's staged gradient and streams in flight (:func:`member_bytes`).
 
     Args:
@@ -84,7 +85,7 @@ def memory_estimate(baseline: int, elements: int, state_buffers: int, members: i
         Bytes; within 20% of the measured peak at 1, 64 and 256 members (docs/performance.md).
     """
     gradient = MASTER_ITEMSIZE * elements
-    arrays = 2 * gradient * (1 + state_buffers) + MASTER_ITEMSIZE * SEGMENT * (1 + state_buffers)
+    arrays = gradient * (3 + 2 * state_buffers) + MASTER_ITEMSIZE * SEGMENT * (1 + state_buffers)
     return baseline + JOB_BYTES + arrays + members * member_bytes(elements, chunk_bytes)
 
 
@@ -213,6 +214,9 @@ class Admission:
         if cfg.shard_index > 0:
             job.check_view(request.job, cfg.shard_index, self.version)
         if request.worker_id not in self._members:
+            await self.rounds.streamed.settle(cfg.lease_seconds)  # a part-applied round goes on without it
+            if self.job is not job:
+                raise Aborted("the shard's job changed while this Join waited for a round; join again")
             check_memory(self._baseline, _elements(job.table), job.state_buffers, len(self._members) + 1,
                          job.table.plan.chunk_bytes, cfg)
         member, is_new = self._members.admit(request.worker_id, request.session)
