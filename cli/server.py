@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is intact; default: refuse to start, naming the damaged files")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="gRPC message limit in bytes (default 8 MiB)")
+    p.add_argument("--table-max-bytes", type=int, default=d.table_max_bytes,
+                   help="memory limit of one sparse table on this shard, bytes, unless the table sets its own "
+                        "(default 4 GiB): a round past it is refused with RESOURCE_EXHAUSTED")
     p.add_argument("--max-wait-seconds", type=float, default=d.max_wait_seconds,
                    help="longest a pull waits for a round (default 600)")
     p.add_argument("--grace-seconds", type=float, default=d.grace_seconds,
@@ -129,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             max_streams=a.max_streams, max_streams_per_peer=a.max_streams_per_peer,
             max_connections=a.max_connections, stream_idle_seconds=a.stream_idle_seconds,
             connection_idle_seconds=a.connection_idle_seconds,
-            max_chunks=a.max_chunks, init_timeout_seconds=a.init_timeout, lease_seconds=a.lease_seconds,
+            max_chunks=a.max_chunks, table_max_bytes=a.table_max_bytes, init_timeout_seconds=a.init_timeout,
+            lease_seconds=a.lease_seconds,
             checkpoint_dir=a.checkpoint_dir, checkpoint_every_rounds=a.checkpoint_every_rounds,
             checkpoint_every_seconds=a.checkpoint_every_seconds, keep_checkpoints=a.keep_checkpoints,
             restore_version=a.restore_version,

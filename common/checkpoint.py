@@ -82,6 +82,8 @@ class Snapshot:
         tensors: ``param/<g>`` (fp32, 1-D), ``buffers`` (uint8), ``state/<key>/<name>``.
         shard_index, num_shards: the shard that wrote it and the job's shard count.
         members: the job's member ids when it was taken (a restored shard waits for them to come back).
+        sparse: the sparse tables' round and per-table spec and numbers (their rows are the
+            ``rows/<table>/<name>`` tensors; ``server/sparse/tables.py``).
     """
 
     version: int
@@ -96,6 +98,7 @@ class Snapshot:
     shard_index: int
     num_shards: int
     members: list[str] = field(default_factory=list)
+    sparse: dict = field(default_factory=dict)
 
     def params(self) -> dict[int, torch.Tensor]:
         return {int(k.split("/")[1]): v for k, v in self.tensors.items() if k.startswith("param/")}
@@ -167,7 +170,7 @@ def write(directory: Path, snap: Snapshot, keep: int) -> Path:
         "format": FORMAT, "version": snap.version, "job_id": snap.job_id, "fingerprint": snap.fingerprint,
         "shard_index": snap.shard_index, "num_shards": snap.num_shards, "initialised_by": snap.initialised_by,
         "plan": base64.b64encode(snap.plan).decode(), "optimizer": base64.b64encode(snap.spec).decode(),
-        "static_digest": snap.static_digest, "members": list(snap.members),
+        "static_digest": snap.static_digest, "members": list(snap.members), "sparse": snap.sparse,
         "hyperparams": {str(g): hp for g, hp in snap.hyperparams.items()},
         "tensors": {"file": f"{stem}.safetensors", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
     }
@@ -259,7 +262,7 @@ def read(path: Path, shard_index: int | None = None, num_shards: int | None = No
             initialised_by=m["initialised_by"], plan=plan, spec=base64.b64decode(m["optimizer"]),
             static_digest=m["static_digest"], hyperparams={int(g): hp for g, hp in m["hyperparams"].items()},
             tensors=load_tensors(data), shard_index=int(m["shard_index"]), num_shards=int(m["num_shards"]),
-            members=[str(w) for w in m.get("members", [])],
+            members=[str(w) for w in m.get("members", [])], sparse=dict(m.get("sparse", {})),
         )
     except CheckpointError:
         raise

@@ -413,3 +413,146 @@ class SetStateReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes")
+    class HyperparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_IDX_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TTL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    embedding_dim: int
+    num_embeddings: int
+    padding_idx: int
+    optimizer: str
+    hyperparams: _containers.ScalarMap[str, float]
+    seed: int
+    init_scale: float
+    min_count: int
+    ttl_rounds: int
+    capacity: int
+    max_bytes: int
+    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class DeclareTablesRequest(_message.Message):
+    __slots__ = ("worker_id", "session", "tables")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class DeclareTablesReply(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("worker_id", "session", "table", "ids", "after_push")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PUSH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: str
+    table: str
+    ids: bytes
+    after_push: bool
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., after_push: _Optional[bool] = ...) -> None: ...
+
+class PullRowsReply(_message.Message):
+    __slots__ = ("rows", "round")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    round: int
+    def __init__(self, rows: _Optional[bytes] = ..., round: _Optional[int] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("table", "ids", "grads", "lr")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    grads: bytes
+    lr: float
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class PushRowsRequest(_message.Message):
+    __slots__ = ("worker_id", "session", "push", "tables")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session: str
+    push: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class PushRowsReply(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("table", "state")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    state: bool
+    def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ...) -> None: ...
+
+class ExportRowsReply(_message.Message):
+    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step")
+    class StateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class StateWidthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    ids: bytes
+    weights: bytes
+    state: _containers.ScalarMap[str, bytes]
+    state_width: _containers.ScalarMap[str, int]
+    round: int
+    step: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...

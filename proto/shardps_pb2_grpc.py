@@ -99,6 +99,26 @@ class ShardStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.DeclareTables = channel.unary_unary(
+                '/shardps.v1.Shard/DeclareTables',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.DeclareTablesRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.DeclareTablesReply.FromString,
+                _registered_method=True)
+        self.PullRows = channel.unary_unary(
+                '/shardps.v1.Shard/PullRows',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.PullRowsReply.FromString,
+                _registered_method=True)
+        self.PushRows = channel.unary_unary(
+                '/shardps.v1.Shard/PushRows',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.PushRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.PushRowsReply.FromString,
+                _registered_method=True)
+        self.ExportRows = channel.unary_unary(
+                '/shardps.v1.Shard/ExportRows',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.ExportRowsReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -202,6 +222,31 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeclareTables(self, request, context):
+        """Sparse tables: declare (idempotent), pull rows, push one step's row gradients, export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +314,26 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.CheckpointReply.SerializeToString,
+            ),
+            'DeclareTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclareTables,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.DeclareTablesRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.DeclareTablesReply.SerializeToString,
+            ),
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.PullRowsRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.PullRowsReply.SerializeToString,
+            ),
+            'PushRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.PushRowsRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.PushRowsReply.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.ExportRowsRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.ExportRowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +687,114 @@ class Shard:
             '/shardps.v1.Shard/Checkpoint',
             shardps_dot_proto_dot_shardps__pb2.CheckpointRequest.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclareTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/DeclareTables',
+            shardps_dot_proto_dot_shardps__pb2.DeclareTablesRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.DeclareTablesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/PullRows',
+            shardps_dot_proto_dot_shardps__pb2.PullRowsRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.PullRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/PushRows',
+            shardps_dot_proto_dot_shardps__pb2.PushRowsRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.PushRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/ExportRows',
+            shardps_dot_proto_dot_shardps__pb2.ExportRowsRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.ExportRowsReply.FromString,
             options,
             channel_credentials,
             insecure,

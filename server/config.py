@@ -111,6 +111,9 @@ class ShardConfig:
             before any job, parameters, optimizer state, and per member its
             staged gradient and streams: ``membership.admission.memory_estimate``)
             would exceed it.
+        table_max_bytes: memory limit of one sparse table on this shard (rows, optimizer state and
+            index, bytes; 4 GiB) unless the table declares its own ``max_bytes``: a round that would
+            pass it is refused with RESOURCE_EXHAUSTED, never an OOM kill.
         init_timeout_seconds: how long the worker told to initialise has to
             start its Init (the clock stops while the stream is received);
             after it, the next Join takes the role over and waiting pulls are
@@ -170,6 +173,7 @@ class ShardConfig:
     max_chunks: int = 1 << 18
     max_dims: int = 32
     memory_budget_bytes: int = field(default_factory=default_memory_budget_bytes)
+    table_max_bytes: int = 1 << 32
     init_timeout_seconds: float = 60.0
     lease_seconds: float = 10.0
     checkpoint_dir: str = ""
@@ -237,7 +241,7 @@ class ShardConfig:
             raise ValueError("stream_idle_seconds and connection_idle_seconds must be > 0")
         for name in ("max_streams", "max_streams_per_peer", "max_connections", "max_waiting", "max_id_chars",
                      "max_keys", "max_groups", "max_chunks", "max_dims",
-                     "memory_budget_bytes"):
+                     "memory_budget_bytes", "table_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

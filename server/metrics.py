@@ -90,6 +90,44 @@ class _StoreCollector(Collector):
             yield family
 
 
+#: Per sparse table, read when scraped (label ``table``: at most ``sparse.tables.MAX_TABLES`` per job).
+TABLE_GAUGES = {
+    "rows": "Rows of the sparse table held by this shard.",
+    "bytes": "Bytes the sparse table holds on this shard (rows, optimizer state, index, admission counts).",
+}
+TABLE_COUNTERS = {
+    "admitted": "Ids that became trained rows (admission passed, or at once with min_count <= 1).",
+    "evicted_ttl": "Rows evicted because they were not pushed for ttl_rounds rounds.",
+    "evicted_capacity": "Rows evicted, least recently pushed first, because the table passed its capacity.",
+    "rows_pulled": "Rows read by pulls.",
+    "rows_pushed": "Unique rows of applied rounds (after averaging over workers).",
+    "dropped_unadmitted": "Row gradients dropped because the id had not reached min_count sightings.",
+}
+
+
+class _TableCollector(Collector):
+    """Sparse tables' numbers as Prometheus families, read at scrape time."""
+
+    def __init__(self, shard: str, read: Callable[[], tuple[int, dict[str, dict[str, float]]]]) -> None:
+        self.shard, self.read = shard, read
+
+    def collect(self):
+        rounds, tables = self.read()
+        family = CounterMetricFamily("shardps_shard_sparse_rounds", "Sparse-table rounds applied.", labels=["shard"])
+        family.add_metric([self.shard], rounds)
+        yield family
+        for name, text in TABLE_GAUGES.items():
+            family = GaugeMetricFamily(f"shardps_shard_table_{name}", text, labels=["shard", "table"])
+            for table, values in tables.items():
+                family.add_metric([self.shard, table], values[name])
+            yield family
+        for name, text in TABLE_COUNTERS.items():
+            family = CounterMetricFamily(f"shardps_shard_table_{name}", text, labels=["shard", "table"])
+            for table, values in tables.items():
+                family.add_metric([self.shard, table], values[name])
+            yield family
+
+
 class ShardMetrics:
     """The metrics of shard ``shard`` in ``registry`` (a fresh ``CollectorRegistry`` when None).
 
@@ -139,6 +177,11 @@ class ShardMetrics:
             ValueError: called twice.
         """
         self.registry.register(_StoreCollector(self.shard, read))
+
+    def watch_tables(self, read: Callable[[], tuple[int, dict[str, dict[str, float]]]]) -> None:
+        """Read the sparse tables' numbers when scraped: ``read()`` returns ``(sparse rounds applied,
+        {table: {name: value}})`` with every name of :data:`TABLE_GAUGES` and :data:`TABLE_COUNTERS`. Call once."""
+        self.registry.register(_TableCollector(self.shard, read))
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished call of ``method`` with status ``code`` (a ``grpc.StatusCode`` name), ``seconds`` long."""

@@ -219,6 +219,23 @@ class ShardServicer:
         _parse(pb.CheckpointRequest, request, "checkpoint")
         return await self.store.between_rounds.checkpoint()
 
+    @_unary
+    async def DeclareTables(self, request: bytes, context) -> pb.DeclareTablesReply:
+        return self.store.tables.declare(_parse(pb.DeclareTablesRequest, request, "declare_tables"))
+
+    @_unary
+    async def PullRows(self, request: bytes, context) -> pb.PullRowsReply:
+        req = _parse(pb.PullRowsRequest, request, "pull_rows")
+        return await self.store.tables.pull(req, context.time_remaining())
+
+    @_unary
+    async def PushRows(self, request: bytes, context) -> pb.PushRowsReply:
+        return self.store.tables.push(_parse(pb.PushRowsRequest, request, "push_rows"))
+
+    @_unary
+    async def ExportRows(self, request: bytes, context) -> pb.ExportRowsReply:
+        return await self.store.tables.export(_parse(pb.ExportRowsRequest, request, "export_rows"))
+
 
 def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
     """Handlers for every method of ``shardps.v1.Shard``: raw-bytes requests, Frame responses stay raw."""

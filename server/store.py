@@ -43,6 +43,7 @@ from shardps.server.dense.optimizer import ShardOptimizer
 from shardps.server.consistency import ssp
 from shardps.server.consistency.rounds import Rounds
 from shardps.server.between_rounds import BetweenRounds
+from shardps.server.sparse.tables import SparseTables
 from shardps.server.stats import Stats, metric_values
 from shardps.server.notifier import Notifier
 
@@ -62,6 +63,7 @@ class ShardStore:
     Attributes:
         members: the shard's members (others read it: who, their clocks, the epoch).
         notifier: wakes the calls waiting for a change (a version, a member, a round).
+        tables: the sparse tables (``sparse/``), their rounds, pulls and exports.
         rounds, checkpoints, between_rounds: the rounds (``consistency/``), checkpoints
             (``snapshots/``), and GetState, SetState, Export and Checkpoint (``between_rounds.py``).
 
@@ -86,12 +88,14 @@ class ShardStore:
         self._push_bytes = 0
         self._pull_bytes = 0
         self._lease_watch: asyncio.Task | None = None
+        self.tables = SparseTables(self)
         self.checkpoints = Checkpoints(self)
         self.between_rounds = BetweenRounds(self)
         self._stats = Stats(self)
         self._last_wait_log = 0.0
         self.incarnation = uuid.uuid4().hex  # tells workers this process apart from the one before a restart
         self.metrics.watch(lambda: metric_values(self))  # read when scraped, from the metrics thread
+        self.metrics.watch_tables(lambda: (self.tables.round, self.tables.metric_values()))
 
     @property
     def version(self) -> int:
@@ -201,6 +205,7 @@ class ShardStore:
         if len(request.job_id) > 64:
             raise InvalidArgument("job_id has at most 64 characters")
         job_id, version = self._admission.reset(request.job_id)
+        self.tables.reset()
         self._stats.forget()
         return pb.ResetReply(job_id=job_id, version=version)
 
@@ -497,6 +502,7 @@ class ShardStore:
         """
         self._admission.left(member)
         self.rounds.drop(member, apply)
+        self.tables.drop(member.worker_id)
         self.notifier.notify_all()
 
     async def stats(self, request: pb.StatsRequest) -> pb.StatsReply:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ConsistencyOptions", "DistributedOptimizer", "LocalCluster", "ObservabilityOptions", "WireOptions"]
+__all__ = ["ConsistencyOptions", "DistributedOptimizer", "LocalCluster", "ObservabilityOptions", "RowWiseAdagrad",
+           "ShardedEmbedding", "ShardedEmbeddingBag", "WireOptions"]
 _WHERE = {
     "DistributedOptimizer": "shardps.worker.optimizer",
     "ConsistencyOptions": "shardps.worker.config",
     "WireOptions": "shardps.worker.config",
     "ObservabilityOptions": "shardps.worker.config",
     "LocalCluster": "shardps.worker.cluster",
+    "ShardedEmbedding": "shardps.worker.embedding.modules",
+    "ShardedEmbeddingBag": "shardps.worker.embedding.modules",
+    "RowWiseAdagrad": "shardps.worker.embedding.tables",
 }
 
 

@@ -48,6 +48,8 @@ from shardps.worker.session.waits import WaitWatcher
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
 from shardps.worker.pipeline.steps import RoundSteps
+from shardps.worker.embedding.modules import is_table_handle
+from shardps.worker.embedding.tables import SparseTables, check_sparse_options
 from shardps.worker.pipeline.tensors import HyperparamChanges, buffer_infos, static_digest
 
 __all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id"]
@@ -121,6 +123,11 @@ class DistributedOptimizer(RoundSteps, JobView):
             and TLS (:class:`~shardps.worker.config.WireOptions`: ``chunk_bytes``,
             ``push_dtype``, ``pull_dtype``, ``checksum``, ``max_message_bytes``,
             ``rpc_timeout``, ``connect_timeout``, ``retry_seconds``, ``security``).
+        sparse_optimizer: the optimizer of the model's sharded embedding tables
+            (``shardps.worker.ShardedEmbedding``/``ShardedEmbeddingBag``): ``torch.optim.SGD``,
+            ``Adagrad``, ``SparseAdam`` or ``shardps.worker.RowWiseAdagrad`` over their ``handle``
+            placeholders; the rows and their optimizer state stay on the shards
+            (``shardps.worker.embedding``). Sync mode only; not with ``max_grad_norm`` or ``grad_scaler``.
         observability: Prometheus metrics and the membership callback
             (:class:`~shardps.worker.config.ObservabilityOptions`: ``metrics_port``,
             ``metrics_host``, ``metrics_registry``, ``on_membership_change``).
@@ -169,6 +176,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         consistency: ConsistencyOptions = ConsistencyOptions(),
         wire: WireOptions = WireOptions(),
         observability: ObservabilityOptions = ObservabilityOptions(),
+        sparse_optimizer: torch.optim.Optimizer | None = None,
         **legacy,
     ) -> None:
         if legacy:
@@ -187,7 +195,8 @@ class DistributedOptimizer(RoundSteps, JobView):
         # async/ssp apply each push alone: this worker clips and unscales its own gradient (pipeline/own.py)
         self._own = OwnGradient(self._options) if consistency.mode != "sync" and self._options.needs_commit else None
         self._pushed_options = RoundOptions() if self._own is not None else self._options
-        named = list(named_parameters)
+        named = [(n, p) for n, p in named_parameters if not is_table_handle(p)]  # tables: sparse_optimizer
+        check_sparse_options(optimizer, sparse_optimizer, model, consistency.mode, self._options)
         for name, p in named:
             if not p.is_floating_point() or not p.is_contiguous():
                 raise ValueError(f"parameter {name!r} must be a contiguous floating-point tensor")
@@ -238,6 +247,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         self._watcher: WaitWatcher | None = None
         self._job_id = ""
+        self._tables: SparseTables | None = None
         # state loaded into the wrapped optimizer before wrapping: carried to the shards after joining
         # (JobView._carry_initial_state); the local optimizer itself never holds state
         saved = optimizer.state_dict() if optimizer.state else None
@@ -263,6 +273,8 @@ class DistributedOptimizer(RoundSteps, JobView):
             self.resumed = min(self.versions) > 0
             self._job_id = joined.job_id
             self._announce_join(joined.initialised)
+            self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model) \
+                if sparse_optimizer is not None else None
             self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
                                         lease_seconds=joined.lease_seconds, on_wait=observability.on_wait)
         except BaseException:
@@ -329,6 +341,8 @@ class DistributedOptimizer(RoundSteps, JobView):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._tables is not None:
+            self._tables.push()  # blocking: every shard took this step's rows (applied once every worker's are in)
         own = self._own
         self._start_pull(None if own is None else own.prepare({k: p.grad for k, p in self._params.items()}))
         rnd = self._pulling
@@ -365,6 +379,8 @@ class DistributedOptimizer(RoundSteps, JobView):
                     if rnd.failed() is not None:
                         self._finish_pull()
         self._optimizer.zero_grad(set_to_none=set_to_none)
+        if self._tables is not None:
+            self._tables.zero_grad()
 
     def state_dict(self) -> dict:
         """The optimizer state from the shards, in ``torch.optim``'s format (loads into a plain optimizer).
@@ -396,6 +412,11 @@ class DistributedOptimizer(RoundSteps, JobView):
             raise RuntimeError("this DistributedOptimizer is closed")
         optimizer_state.load(self._clients, self._pool, self._header(), self.plan, self._optimizer, self._params,
                              state_dict)
+
+    @property
+    def tables(self) -> SparseTables | None:
+        """The sharded embedding tables of ``sparse_optimizer`` (``export(name)`` reads one back), or None."""
+        return self._tables
 
     @property
     def consistency(self) -> ConsistencyOptions:
@@ -487,6 +508,8 @@ class DistributedOptimizer(RoundSteps, JobView):
         self._hooks = []
         if self._waits is not None:
             self._waits.remove()
+        if self._tables is not None:
+            self._tables.close()
         try:
             self._finish_pull(rejoin=False)
         except (ShardRpcError, RuntimeError) as exc:

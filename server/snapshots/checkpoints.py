@@ -56,6 +56,7 @@ class Checkpoints:
         self.directory = Path(cfg.checkpoint_dir) / f"shard-{cfg.shard_index}" if cfg.checkpoint_dir else None
         self.latest = (0, 0.0)
         self.restored = 0
+        self._sparse_round = 0  # the sparse round of the newest checkpoint
         self._clock = time.monotonic()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -75,7 +76,9 @@ class Checkpoints:
         if snap is not None:
             try:
                 await store.restore_job(snap)
-            except (ValueError, StateError) as exc:
+                store.tables.restore(snap.tensors, snap.sparse)
+                self._sparse_round = store.tables.round
+            except (ValueError, KeyError, StateError) as exc:
                 raise RuntimeError(f"checkpoint of version {snap.version} in {self.directory}: {exc}") from None
             self.latest = (snap.version, time.time())
             self.restored = snap.version
@@ -165,29 +168,33 @@ class Checkpoints:
         """
         store = self.store
         async with self._lock:
-            while store.rounds.applying:
-                await store.notifier.wait_for(lambda: not store.rounds.applying, store.config.max_wait_seconds)
+            while store.rounds.applying or store.tables.applying:
+                await store.notifier.wait_for(lambda: not (store.rounds.applying or store.tables.applying),
+                                              store.config.max_wait_seconds)
             job, rounds = store.job, store.rounds
             if self.directory is None or job is None or not job.initialised:
                 return 0
-            if self.latest[0] == store.version and store.version:
+            if self.latest[0] == store.version and store.version and self._sparse_round == store.tables.round:
                 return store.version  # nothing changed since
             tensors = {f"param/{g}": t.clone() for g, t in rounds.params.items()}
             tensors["buffers"] = rounds.buffers.clone()
             for key, entries in rounds.optimizer.get_state().items():
                 for name, value in entries.items():
                     tensors[f"state/{key}/{name}"] = value
+            sparse_tensors, sparse = store.tables.snapshot()
+            tensors.update(sparse_tensors)
             snap = checkpoint.Snapshot(
                 version=store.version, job_id=job.job_id, fingerprint=job.fingerprint,
                 initialised_by=job.initialised_by, plan=job.plan_bytes, spec=job.spec.SerializeToString(),
                 static_digest=job.static_digest, hyperparams=rounds.optimizer.hyperparams(), tensors=tensors,
                 shard_index=store.config.shard_index, num_shards=store.config.num_shards,
-                members=self.store.members.ids(),
+                members=self.store.members.ids(), sparse=sparse,
             )
             started = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(
                 self._writer, checkpoint.write, self.directory, snap, store.config.keep_checkpoints)
             self.latest, self._clock = (snap.version, time.time()), time.monotonic()
+            self._sparse_round = sparse.get("round", 0)
             store.metrics.checkpoint_seconds.observe(time.monotonic() - started)
             log.info("shard %d: checkpoint of version %d written in %.2fs", store.config.shard_index, snap.version,
                      time.monotonic() - started)

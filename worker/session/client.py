@@ -154,6 +154,23 @@ class ShardClient:
         """Replace the shard's optimizer state (encoded frames, round header first)."""
         return self._unary("set_state", self._set_state, frames)
 
+    def declare_tables(self, request: pb.DeclareTablesRequest) -> pb.DeclareTablesReply:
+        """Declare sparse tables (idempotent; FAILED_PRECONDITION: held with another spec); retried."""
+        return self._unary("declare_tables", self.stub.DeclareTables, request, repeatable=True)
+
+    def pull_rows(self, request: pb.PullRowsRequest) -> pb.PullRowsReply:
+        """Rows of one table (a read: retried)."""
+        return self._unary("pull_rows", self.stub.PullRows, request, repeatable=True)
+
+    def push_rows(self, request: pb.PushRowsRequest) -> pb.PushRowsReply:
+        """One step's row gradients; retried (a retry carries the same push number and is counted once)."""
+        return self._unary("push_rows", self.stub.PushRows, request, repeatable=True)
+
+    def export_rows(self, table: str, state: bool = False, timeout: float | None = None) -> pb.ExportRowsReply:
+        """Every row of ``table`` on this shard (with optimizer state if ``state``); read-only, retried."""
+        return self._unary("export_rows", self.stub.ExportRows, pb.ExportRowsRequest(table=table, state=state),
+                           timeout, repeatable=True)
+
     def close(self) -> None:
         """Close the channel (calls still running on it fail with CANCELLED)."""
         self.channel.close()

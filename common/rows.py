@@ -1,0 +1,220 @@
+"""What worker and shard share about sparse tables: the spec, row placement and row initialisation.
+
+A row's shard and its initial value are pure functions of ``(table, id,
+seed)``, computed with the SplitMix64 mixer (Steele et al., "Fast
+splittable pseudorandom number generators", OOPSLA 2014) in int64
+tensor arithmetic, so they are the same on every machine, for every shard
+count, and need no table of ids (a collisionless, hashed table as
+Monolith's, Liu et al. 2022).
+
+- placement: ``shard_of(name, ids, S) = mix(ids ^ salt(name)) mod S``;
+- initialisation: element ``j`` of row ``id`` is
+  ``init_scale * (2 * u - 1)`` with ``u = (mix(mix(id ^ salt(name, seed)) + j) >> 40) / 2**24``:
+  uniform in ``[-init_scale, init_scale)`` on a grid of 2**-23 * init_scale.
+  The padding id (``padding_idx``) reads as zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+
+__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
+           "rows_bytes", "rows_from", "state_widths"]
+
+#: Row-wise optimizers the shards run, with their hyperparameters (lr travels with every push) and defaults.
+OPTIMIZERS: dict[str, dict[str, float]] = {
+    "sgd": {},
+    "adagrad": {"lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
+    "rowwise_adagrad": {"initial_accumulator_value": 0.0, "eps": 1e-10},
+    "sparse_adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+}
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` by ``k`` bits (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of int64 ``x`` (wrapping arithmetic), elementwise; int64 out."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def salt(name: str, seed: int = 0) -> int:
+    """A signed 64-bit salt of a table name and seed (BLAKE2b): tables with equal ids get unrelated rows."""
+    digest = hashlib.blake2b(f"{name}\0{seed}".encode(), digest_size=8).digest()
+    return _signed(int.from_bytes(digest, "little"))
+
+
+def shard_of(name: str, ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """The shard index of each id (int64 tensor ``[n]`` in, int64 ``[n]`` in ``[0, num_shards)`` out)."""
+    return _shr(mix(ids ^ salt(name, -1)), 1) % num_shards
+
+
+def initial_rows(name: str, ids: torch.Tensor, dim: int, seed: int, init_scale: float,
+                 padding_idx: int = -1) -> torch.Tensor:
+    """The rows ids start from: float32 ``[n, dim]`` for int64 ``ids`` ``[n]`` (see the module docstring)."""
+    base = mix(ids.reshape(-1, 1) ^ salt(name, seed))
+    z = mix(base + torch.arange(dim, dtype=torch.int64))
+    u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    rows = (u * 2.0 - 1.0) * float(init_scale)
+    if padding_idx >= 0:
+        rows[ids.reshape(-1) == padding_idx] = 0.0
+    return rows
+
+
+def check_ids(ids: torch.Tensor, what: str, num_embeddings: int = 0) -> None:
+    """Refuse ids a table cannot take.
+
+    Raises:
+        TypeError: ``ids`` is not an int64 tensor.
+        ValueError: a bounded table (``num_embeddings > 0``) got an id outside ``[0, num_embeddings)``
+            (the message names the first one).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{what} takes int64 ids (torch.long), got {got}: convert with .long()")
+    if num_embeddings > 0 and ids.numel():
+        bad = (ids < 0) | (ids >= num_embeddings)
+        if bool(bad.any()):
+            first = int(ids.reshape(-1)[bad.reshape(-1)][0])
+            raise ValueError(f"{what}: id {first} is outside [0, {num_embeddings}) (num_embeddings={num_embeddings}); "
+                             "pass num_embeddings=None for a hashed table that takes any int64 id")
+
+
+def ids_bytes(ids: torch.Tensor) -> bytes:
+    """int64 ids ``[n]`` as little-endian bytes (8n)."""
+    return ids.to(torch.int64).contiguous().numpy().tobytes()
+
+
+def ids_from(data: bytes) -> torch.Tensor:
+    """int64 ``[n]`` from :func:`ids_bytes`' bytes. Raises ValueError: not a multiple of 8 bytes."""
+    if len(data) % 8:
+        raise ValueError(f"ids take 8 bytes each, got {len(data)} bytes")
+    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.empty(0, dtype=torch.int64)
+
+
+def rows_bytes(rows: torch.Tensor) -> bytes:
+    """float32 rows ``[n, dim]`` as little-endian bytes (4 n dim)."""
+    return rows.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+def rows_from(data: bytes, n: int, dim: int) -> torch.Tensor:
+    """float32 ``[n, dim]`` from :func:`rows_bytes`' bytes. Raises ValueError: the size is not ``4 n dim``."""
+    if len(data) != 4 * n * dim:
+        raise ValueError(f"expected {n} rows of {dim} float32 values ({4 * n * dim} bytes), got {len(data)} bytes")
+    if not data:
+        return torch.empty(n, dim, dtype=torch.float32)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(n, dim)
+
+
+def state_widths(optimizer: str, dim: int) -> dict[str, int]:
+    """Optimizer state per row: ``{name: width}`` (float32 values per row)."""
+    return {"sgd": {}, "adagrad": {"sum": dim}, "rowwise_adagrad": {"sum": 1},
+            "sparse_adam": {"exp_avg": dim, "exp_avg_sq": dim}}[optimizer]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One sparse table as every worker declares it (``pb.TableSpec`` on the wire).
+
+    Attributes:
+        name: the table's name (1 to 128 printable characters), unique in the job.
+        embedding_dim: values per row (1 to 65536).
+        num_embeddings: 0: hashed, any int64 id; N > 0: ids in ``[0, N)``.
+        padding_idx: the id that reads as zeros and is never trained (-1: none).
+        optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``sparse_adam`` (see :data:`OPTIMIZERS`).
+        hyperparams: the optimizer's hyperparameters other than lr (defaults filled in).
+        seed, init_scale: row initialisation (module docstring); init_scale None: ``1/sqrt(embedding_dim)``.
+        min_count: sightings before an id becomes a trained row (0 or 1: at once).
+        ttl_rounds: evict rows not pushed for this many rounds (0: never).
+        capacity: rows per shard, least recently pushed evicted beyond it (0: no limit).
+        max_bytes: bytes of rows and state per shard before pushes are refused (0: the shard's default).
+
+    Raises:
+        ValueError: a field out of range (the message names it).
+    """
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int = 0
+    padding_idx: int = -1
+    optimizer: str = "sgd"
+    hyperparams: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    init_scale: float | None = None
+    min_count: int = 0
+    ttl_rounds: int = 0
+    capacity: int = 0
+    max_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and 1 <= len(self.name) <= 128 and self.name.isprintable()):
+            raise ValueError(f"table name must be 1 to 128 printable characters, got {self.name!r}")
+        if not 1 <= self.embedding_dim <= 65536:
+            raise ValueError(f"table {self.name!r}: embedding_dim must be in [1, 65536], got {self.embedding_dim}")
+        if self.num_embeddings < 0:
+            raise ValueError(f"table {self.name!r}: num_embeddings must be >= 0 (0: hashed), got {self.num_embeddings}")
+        if self.padding_idx < -1 or (self.num_embeddings and self.padding_idx >= self.num_embeddings):
+            raise ValueError(f"table {self.name!r}: padding_idx {self.padding_idx} is not an id of the table")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"table {self.name!r}: optimizer {self.optimizer!r} is not one of {sorted(OPTIMIZERS)}")
+        unknown = set(self.hyperparams) - set(OPTIMIZERS[self.optimizer])
+        if unknown:
+            raise ValueError(f"table {self.name!r}: {self.optimizer} takes no hyperparameter {sorted(unknown)[0]!r} "
+                             f"(it takes {sorted(OPTIMIZERS[self.optimizer]) or 'only lr'})")
+        full = {**OPTIMIZERS[self.optimizer], **{k: float(v) for k, v in self.hyperparams.items()}}
+        if not all(math.isfinite(v) for v in full.values()):
+            raise ValueError(f"table {self.name!r}: hyperparameters must be finite, got {full}")
+        object.__setattr__(self, "hyperparams", full)
+        if self.init_scale is None:
+            object.__setattr__(self, "init_scale", 1.0 / math.sqrt(self.embedding_dim))
+        if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"table {self.name!r}: init_scale must be finite and >= 0, got {self.init_scale}")
+        for name in ("seed", "min_count", "ttl_rounds", "capacity", "max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"table {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+
+    def row_bytes(self) -> int:
+        """Bytes of one row's weights and optimizer state (float32)."""
+        return 4 * (self.embedding_dim + sum(state_widths(self.optimizer, self.embedding_dim).values()))
+
+    def to_proto(self) -> pb.TableSpec:
+        return pb.TableSpec(name=self.name, embedding_dim=self.embedding_dim, num_embeddings=self.num_embeddings,
+                            padding_idx=self.padding_idx, optimizer=self.optimizer, hyperparams=self.hyperparams,
+                            seed=self.seed, init_scale=self.init_scale, min_count=self.min_count,
+                            ttl_rounds=self.ttl_rounds, capacity=self.capacity, max_bytes=self.max_bytes)
+
+    @classmethod
+    def from_proto(cls, m: pb.TableSpec) -> "TableSpec":
+        """Raises ValueError: a field out of range."""
+        return cls(name=m.name, embedding_dim=m.embedding_dim, num_embeddings=m.num_embeddings,
+                   padding_idx=m.padding_idx, optimizer=m.optimizer, hyperparams=dict(m.hyperparams), seed=m.seed,
+                   init_scale=m.init_scale, min_count=m.min_count, ttl_rounds=m.ttl_rounds, capacity=m.capacity,
+                   max_bytes=m.max_bytes)
+
+    def differences(self, other: "TableSpec") -> list[str]:
+        """The fields where ``other`` differs, as ``field: mine vs other``."""
+        return [f"{f}: {getattr(self, f)!r} vs {getattr(other, f)!r}" for f in self.__dataclass_fields__
+                if getattr(self, f) != getattr(other, f)]

@@ -1,0 +1,63 @@
+"""Row-wise optimizers: one update of the rows a round touched, with torch's sparse semantics.
+
+Each function updates ``weights`` (float32 ``[n, dim]``, the touched rows,
+gathered) and ``state`` (``{name: float32 [n, width]}``) in place from the
+averaged gradient ``grad`` (float32 ``[n, dim]``, one row per unique id),
+with the same operations, in the same order, as torch's own optimizer on
+a sparse gradient, so sync training matches one process running
+``nn.Embedding(sparse=True)`` with it:
+
+- ``sgd``: ``torch.optim.SGD`` (no momentum, no weight decay);
+- ``adagrad``: ``torch.optim.Adagrad`` (Duchi et al., JMLR 2011), ``step`` the table's optimizer steps;
+- ``rowwise_adagrad``: one accumulator per row, the mean of the squared
+  gradient over the row (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``; Gupta et
+  al., "Training recommender systems at scale", 2014); no torch oracle;
+- ``sparse_adam``: ``torch.optim.SparseAdam`` (moments updated only for the rows in the gradient).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def initial_state(optimizer: str, hyper: dict[str, float], n: int, dim: int) -> dict[str, torch.Tensor]:
+    """The state of ``n`` new rows: ``{name: float32 [n, width]}``."""
+    if optimizer == "adagrad":
+        return {"sum": torch.full((n, dim), hyper["initial_accumulator_value"], dtype=torch.float32)}
+    if optimizer == "rowwise_adagrad":
+        return {"sum": torch.full((n, 1), hyper["initial_accumulator_value"], dtype=torch.float32)}
+    if optimizer == "sparse_adam":
+        return {"exp_avg": torch.zeros(n, dim), "exp_avg_sq": torch.zeros(n, dim)}
+    return {}
+
+
+def update(optimizer: str, hyper: dict[str, float], weights: torch.Tensor, state: dict[str, torch.Tensor],
+           grad: torch.Tensor, lr: float, step: int) -> None:
+    """Apply one step (``step``: the table's optimizer steps so far, this one included; 1-based)."""
+    if optimizer == "sgd":
+        weights.add_(grad, alpha=-lr)
+    elif optimizer == "adagrad":
+        clr = lr / (1 + (step - 1) * hyper["lr_decay"])
+        state["sum"].add_(grad.pow(2))
+        std = state["sum"].sqrt().add_(hyper["eps"])
+        weights.add_(grad / std, alpha=-clr)
+    elif optimizer == "rowwise_adagrad":
+        state["sum"].add_(grad.pow(2).mean(dim=1, keepdim=True))
+        std = state["sum"].sqrt().add_(hyper["eps"])
+        weights.add_(grad / std, alpha=-lr)
+    elif optimizer == "sparse_adam":
+        beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
+        old_avg, old_sq = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+        avg_update = grad.sub(old_avg).mul_(1 - beta1)
+        state["exp_avg"].add_(avg_update)
+        sq_update = grad.pow(2).sub_(old_sq).mul_(1 - beta2)
+        state["exp_avg_sq"].add_(sq_update)
+        numer = avg_update.add_(old_avg)
+        sq_update.add_(old_sq)
+        denom = sq_update.sqrt_().add_(eps)
+        step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        weights.add_(-step_size * numer.div_(denom))
+    else:  # TableSpec refuses any other name
+        raise AssertionError(optimizer)

@@ -1,0 +1,240 @@
+"""``RowTable``: one sparse table's rows on one shard, their optimizer state, admission and eviction.
+
+Rows live in growable float32 tensors (weights ``[capacity, dim]``, each
+state entry ``[capacity, width]``, the round each row was last pushed
+``[capacity]``), addressed through an :class:`~shardps.server.sparse.index.IdIndex`;
+freed slots are reused. An id that is not a row reads as its initial value
+(``shardps.common.rows.initial_rows``), so a row is created only when a
+gradient is applied to it.
+
+Admission (``min_count > 1``): each push that carries an id counts one
+sighting; an id becomes a row in the round its count reaches ``min_count``
+(that round's gradient is applied), and until then its gradients are
+dropped (Monolith's frequency filter). Counts of ids not seen for
+``ttl_rounds`` are forgotten with the rows. Eviction, after each round's
+update: rows not pushed for ``ttl_rounds`` rounds, then, beyond
+``capacity`` rows, the least recently pushed ones. An evicted id reads as
+its initial value again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardps.common.rows import TableSpec, initial_rows, state_widths
+from shardps.server.errors import ResourceExhausted
+from shardps.server.sparse import optimizers
+from shardps.server.sparse.index import IdIndex
+
+#: Counters each table keeps (metrics and Stats read them).
+COUNTERS = ("admitted", "evicted_ttl", "evicted_capacity", "rows_pulled", "rows_pushed", "dropped_unadmitted")
+
+
+class RowTable:
+    """The rows of table ``spec`` held by one shard (see the module docstring).
+
+    Args:
+        spec: the table as the workers declared it.
+        max_bytes: the table's memory limit on this shard (bytes of rows, state and index).
+    """
+
+    def __init__(self, spec: TableSpec, max_bytes: int) -> None:
+        self.spec, self.max_bytes = spec, max_bytes
+        self.widths = state_widths(spec.optimizer, spec.embedding_dim)
+        self.index = IdIndex()
+        self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._slots = 0  # high-water mark of slots in use
+        self._free = torch.empty(0, dtype=torch.int64)
+        self._grow(0)
+        self.candidates = IdIndex()
+        self._cand = torch.zeros(0, 2, dtype=torch.int64)  # (count, last round seen) per candidate slot
+        self._cand_used = 0
+        self._cand_free = torch.empty(0, dtype=torch.int64)
+
+    # ------------------------------------------------------------ storage
+    def _grow(self, need: int) -> None:
+        old = getattr(self, "weights", None)
+        cap = 0 if old is None else old.shape[0]
+        if old is not None and need <= cap:
+            return
+        new = max(need, int(cap * 1.25) + 64)
+        dim = self.spec.embedding_dim
+        weights, touched = torch.zeros(new, dim), torch.zeros(new, dtype=torch.int64)
+        state = {name: torch.zeros(new, w) for name, w in self.widths.items()}
+        if old is not None:
+            weights[:cap] = old
+            touched[:cap] = self.touched
+            for name in state:
+                state[name][:cap] = self.state[name]
+        self.weights, self.touched, self.state = weights, touched, state
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        reuse = self._free[-n:] if n else self._free[:0]
+        self._free = self._free[: self._free.numel() - reuse.numel()]
+        fresh = torch.arange(self._slots, self._slots + n - reuse.numel())
+        self._slots += fresh.numel()
+        self._grow(self._slots)
+        return torch.cat([reuse, fresh])
+
+    @property
+    def rows(self) -> int:
+        return len(self.index)
+
+    def nbytes(self) -> int:
+        """Bytes this table holds on the shard: row storage (allocated), index, admission counts."""
+        per_slot = 4 * (self.spec.embedding_dim + sum(self.widths.values())) + 8
+        return self.weights.shape[0] * per_slot + self.index.nbytes() + self.candidates.nbytes() + \
+            self._cand.numel() * 8
+
+    # ------------------------------------------------------------ reads
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 ``[n]``): float32 ``[n, dim]``; ids that are not rows read as initialised."""
+        s = self.spec
+        out = initial_rows(s.name, ids, s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
+        slots = self.index.find(ids)
+        found = slots >= 0
+        out[found] = self.weights[slots[found]]
+        self.counts["rows_pulled"] += ids.numel()
+        return out
+
+    # ------------------------------------------------------------ a round
+    def check_room(self, ids: torch.Tensor) -> None:
+        """Refuse a round that would take the table past ``max_bytes`` (nothing changed).
+
+        Raises:
+            ResourceExhausted: the message names the table, its limit and what the round needs.
+        """
+        new = int((self.index.find(ids) < 0).sum())
+        per_row = self.spec.row_bytes() + 8 + 45
+        need = (self.rows + new) * per_row
+        if self.max_bytes and need > self.max_bytes:
+            raise ResourceExhausted(
+                f"table {self.spec.name!r} would need about {need} bytes on this shard for {self.rows + new} rows "
+                f"(limit {self.max_bytes} bytes): raise the table's max_bytes or the shard's "
+                "--table-max-bytes, add shards, or set capacity/ttl_rounds so rows are evicted")
+
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, sightings: torch.Tensor, lr: float, round_: int) -> None:
+        """One round's update: ``ids`` unique int64 ``[n]``, ``grad`` the averaged float32 ``[n, dim]``,
+        ``sightings`` int64 ``[n]`` (pushes that carried each id), ``round_`` the round's number."""
+        s = self.spec
+        self.counts["rows_pushed"] += ids.numel()
+        if ids.numel():
+            self.step += 1
+        slots = self.index.find(ids)
+        new = slots < 0
+        if s.min_count > 1 and bool(new.any()):
+            admit = self._count(ids[new], sightings[new], round_)
+            keep = ~new
+            keep[new.nonzero().reshape(-1)[admit]] = True
+            self.counts["dropped_unadmitted"] += int((~keep).sum())
+            ids, grad, slots, new = ids[keep], grad[keep], slots[keep], new[keep]
+        if bool(new.any()):
+            fresh = self._take_slots(int(new.sum()))
+            self.index.insert(ids[new], fresh)
+            self.weights[fresh] = initial_rows(s.name, ids[new], s.embedding_dim, s.seed, s.init_scale)
+            for name, value in optimizers.initial_state(s.optimizer, s.hyperparams, fresh.numel(),
+                                                        s.embedding_dim).items():
+                self.state[name][fresh] = value
+            slots[new] = fresh
+            self.counts["admitted"] += fresh.numel()
+        if ids.numel():
+            weights = self.weights[slots]
+            state = {name: t[slots] for name, t in self.state.items()}
+            optimizers.update(s.optimizer, s.hyperparams, weights, state, grad, lr, self.step)
+            self.weights[slots] = weights
+            for name, t in state.items():
+                self.state[name][slots] = t
+            self.touched[slots] = round_
+        self._evict(round_)
+
+    def _count(self, ids: torch.Tensor, sightings: torch.Tensor, round_: int) -> torch.Tensor:
+        """Count sightings of ids that are not rows; the mask of those admitted now (their counts dropped)."""
+        cslots = self.candidates.find(ids)
+        new = cslots < 0
+        if bool(new.any()):
+            n = int(new.sum())
+            reuse = self._cand_free[-n:]
+            self._cand_free = self._cand_free[: self._cand_free.numel() - reuse.numel()]
+            fresh = torch.cat([reuse, torch.arange(self._cand_used, self._cand_used + n - reuse.numel())])
+            self._cand_used += n - reuse.numel()
+            if self._cand_used > self._cand.shape[0]:
+                grown = torch.zeros(max(self._cand_used, int(self._cand.shape[0] * 1.25) + 64), 2, dtype=torch.int64)
+                grown[: self._cand.shape[0]] = self._cand
+                self._cand = grown
+            self._cand[fresh] = 0
+            self.candidates.insert(ids[new], fresh)
+            cslots[new] = fresh
+        self._cand[cslots, 0] += sightings
+        self._cand[cslots, 1] = round_
+        admit = self._cand[cslots, 0] >= self.spec.min_count
+        if bool(admit.any()):
+            self._cand_free = torch.cat([self._cand_free, self.candidates.remove(ids[admit])])
+        return admit
+
+    def _evict(self, round_: int) -> None:
+        s = self.spec
+        if s.ttl_rounds and self.rows:
+            ids, slots = self.index.items()
+            old = round_ - self.touched[slots] >= s.ttl_rounds
+            if bool(old.any()):
+                self._drop(ids[old], slots[old], "evicted_ttl")
+        if s.ttl_rounds and len(self.candidates):
+            ids, cslots = self.candidates.items()
+            old = round_ - self._cand[cslots, 1] >= s.ttl_rounds
+            if bool(old.any()):
+                self._cand_free = torch.cat([self._cand_free, self.candidates.remove(ids[old])])
+        if s.capacity and self.rows > s.capacity:
+            ids, slots = self.index.items()
+            lru = torch.topk(self.touched[slots], self.rows - s.capacity, largest=False).indices
+            self._drop(ids[lru], slots[lru], "evicted_capacity")
+
+    def _drop(self, ids: torch.Tensor, slots: torch.Tensor, why: str) -> None:
+        self.index.remove(ids)
+        self._free = torch.cat([self._free, slots])
+        self.counts[why] += ids.numel()
+
+    # ------------------------------------------------------------ export and checkpoints
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(ids int64 [n], weights float32 [n, dim], {state name: float32 [n, width]})``, ids sorted."""
+        ids, slots = self.index.items()
+        order = torch.argsort(ids)
+        ids, slots = ids[order], slots[order]
+        return ids, self.weights[slots].clone(), {name: t[slots].clone() for name, t in self.state.items()}
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Tensors and numbers that :meth:`restore` turns back into this table, bit for bit."""
+        ids, weights, state = self.export()
+        touched = self.touched[self.index.find(ids)] if ids.numel() else torch.zeros(0, dtype=torch.int64)
+        cand_ids, cslots = self.candidates.items()
+        tensors = {"ids": ids, "weights": weights, "touched": touched, "cand_ids": cand_ids,
+                   "cand": self._cand[cslots].clone() if cand_ids.numel() else torch.zeros(0, 2, dtype=torch.int64)}
+        tensors.update({f"state.{name}": t for name, t in state.items()})
+        return tensors, {"step": self.step, "counts": dict(self.counts)}
+
+    def restore(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
+        """Load what :meth:`snapshot` returned into this (empty) table.
+
+        Raises:
+            ValueError: the tensors do not fit the table's spec (the message names the table).
+        """
+        ids, weights = tensors["ids"], tensors["weights"]
+        n = ids.numel()
+        shapes_ok = weights.shape == (n, self.spec.embedding_dim) and tensors["touched"].shape == (n,) and all(
+            tensors.get(f"state.{k}") is not None and tensors[f"state.{k}"].shape == (n, w)
+            for k, w in self.widths.items())
+        if not shapes_ok:
+            raise ValueError(f"table {self.spec.name!r}: the checkpoint's rows do not match its spec")
+        slots = self._take_slots(n)
+        self.index.insert(ids, slots)
+        self.weights[slots] = weights
+        self.touched[slots] = tensors["touched"]
+        for k in self.widths:
+            self.state[k][slots] = tensors[f"state.{k}"]
+        cand_ids = tensors["cand_ids"]
+        if cand_ids.numel():
+            self._cand = tensors["cand"].clone()
+            self._cand_used = cand_ids.numel()
+            self.candidates.insert(cand_ids, torch.arange(cand_ids.numel()))
+        self.step = int(numbers["step"])
+        self.counts.update({k: int(v) for k, v in numbers.get("counts", {}).items() if k in self.counts})

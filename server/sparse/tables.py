@@ -1,0 +1,328 @@
+"""The sparse tables of one shard: declaring them, sync rounds of row gradients, pulls, export, checkpoints.
+
+Sparse rounds are the shard's own, beside the dense ones, and follow the
+same rule as sync dense rounds: a round is applied once every member of
+the job has pushed its rows for it (the first round also waits for
+``--min-workers`` members; a member must declare the tables before it
+pushes), each
+unique id's gradient being the sum of the members' gradients divided by
+the number of members that pushed (the average over workers, as for
+dense parameters). A member pushes once per step, on every shard, even
+with no rows there, so every shard's round has every member. Pushes are
+numbered by the worker; a retry with the number already taken is
+acknowledged and not counted again. A member that leaves, or whose lease
+runs out, stops being waited for; a member that joins is waited for from
+its first push on (after its Declare). A pull with ``after_push`` waits
+until the caller's last push is applied, so a worker's next forward reads
+the rows its last step updated. A round refused (a memory limit) changes
+nothing; the pulls of its members fail with the reason once.
+
+Every method runs on the shard's event loop; reads and updates of rows run
+on the store's compute thread, one at a time (``store.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of
+from shardps.server.checks import shown
+from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ShardError
+from shardps.server.sparse.table import COUNTERS, RowTable
+
+log = logging.getLogger(__name__)
+
+#: Tables one job may declare (metric labels stay bounded).
+MAX_TABLES = 64
+
+
+@dataclass(eq=False)
+class _Push:
+    number: int
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # table -> (ids, grads, lr)
+
+
+class SparseTables:
+    """Sparse tables of one shard (see the module docstring).
+
+    Args:
+        store: the shard's store (public names: config, members, notifier, run, check_open).
+    """
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.tables: dict[str, RowTable] = {}
+        self.round = 0  # sparse rounds applied
+        self.members: dict[str, int] = {}  # table member -> its last push number taken (-1: none yet)
+        self.staged: dict[str, _Push] = {}
+        self.failed: dict[str, ShardError] = {}
+        self.applying = False
+        self.rounds_seconds = 0.0
+
+    # ------------------------------------------------------------ declare
+    def declare(self, request: pb.DeclareTablesRequest) -> pb.DeclareTablesReply:
+        """Create the tables not held yet and make the caller a table member; all or nothing.
+
+        Raises:
+            FailedPrecondition: not a member of the job; a table held with another spec (the message
+                names each differing field).
+            InvalidArgument: a malformed spec, a name declared twice, too many tables.
+        """
+        self.store.check_open()
+        self.store.members.get(request.worker_id, request.session)
+        specs: dict[str, TableSpec] = {}
+        for m in request.tables:
+            try:
+                spec = TableSpec.from_proto(m)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            if spec.name in specs:
+                raise InvalidArgument(f"table {spec.name!r} is declared twice")
+            held = self.tables.get(spec.name)
+            if held is not None and held.spec != spec:
+                raise FailedPrecondition(
+                    f"table {spec.name!r} is held by this shard with another spec ("
+                    f"{'; '.join(held.spec.differences(spec))}; held vs declared): every worker must declare the "
+                    "same tables (name, embedding_dim, num_embeddings, optimizer and its settings, seed)")
+            specs[spec.name] = spec
+        if len(set(self.tables) | set(specs)) > MAX_TABLES:
+            raise InvalidArgument(f"a job holds at most {MAX_TABLES} sparse tables")
+        default = self.store.config.table_max_bytes
+        for name, spec in specs.items():
+            if name not in self.tables:
+                self.tables[name] = RowTable(spec, spec.max_bytes or default)
+                log.info("shard %d: sparse table %s (dim %d, %s) declared", self.store.config.shard_index,
+                         shown(name), spec.embedding_dim, spec.optimizer)
+        self.members.setdefault(request.worker_id, -1)
+        return pb.DeclareTablesReply(round=self.round)
+
+    def _member(self, worker_id: str, session: str) -> None:
+        self.store.members.get(worker_id, session)
+        if worker_id not in self.members:
+            raise FailedPrecondition(f"worker {shown(worker_id)} has not declared this shard's sparse tables "
+                                     "(DeclareTables) since it joined: declare them again")
+
+    def _table(self, name: str) -> RowTable:
+        table = self.tables.get(name)
+        if table is None:
+            raise FailedPrecondition(f"sparse table {shown(name)} is not declared on this shard")
+        return table
+
+    def _ids(self, data: bytes, table: RowTable, what: str) -> torch.Tensor:
+        try:
+            ids = ids_from(data)
+        except ValueError as exc:
+            raise InvalidArgument(f"{what} of table {shown(table.spec.name)}: {exc}") from None
+        try:
+            check_ids(ids, f"table {table.spec.name!r}", table.spec.num_embeddings)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        cfg = self.store.config
+        if ids.numel() and bool((shard_of(table.spec.name, ids, cfg.num_shards) != cfg.shard_index).any()):
+            raise InvalidArgument(f"{what} of table {shown(table.spec.name)} names ids that shard "
+                                  f"{cfg.shard_index} does not hold (placement: shardps.common.rows.shard_of)")
+        return ids
+
+    # ------------------------------------------------------------ push
+    def push(self, request: pb.PushRowsRequest) -> pb.PushRowsReply:
+        """Stage one member's rows for the round being collected; apply it once every member pushed.
+
+        Raises:
+            FailedPrecondition: not a table member; a second push before the first one's round was applied.
+            InvalidArgument: an unknown table, ids of another shard or out of range, repeated ids, a
+                gradient of the wrong size or not finite, a bad learning rate. Nothing is staged.
+        """
+        self.store.check_open()
+        self._member(request.worker_id, request.session)
+        last = self.members[request.worker_id]
+        if request.push == last:
+            return pb.PushRowsReply(round=self.round)  # a retry of a push already taken
+        if request.worker_id in self.staged:
+            raise FailedPrecondition(f"worker {shown(request.worker_id)} pushed rows again before its last push "
+                                     "was applied: pull with after_push first")
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for part in request.tables:
+            table = self._table(part.table)
+            if part.table in tables:
+                raise InvalidArgument(f"table {shown(part.table)} appears twice in one push")
+            ids = self._ids(part.ids, table, "the push")
+            dim = table.spec.embedding_dim
+            try:
+                grads = rows_from(part.grads, ids.numel(), dim)
+            except ValueError as exc:
+                raise InvalidArgument(f"gradient of table {shown(part.table)}: {exc}") from None
+            if ids.numel() and torch.unique(ids).numel() != ids.numel():
+                raise InvalidArgument(f"the push of table {shown(part.table)} repeats an id: send each unique id "
+                                      "once with its summed gradient")
+            if table.spec.padding_idx >= 0 and bool((ids == table.spec.padding_idx).any()):
+                raise InvalidArgument(f"the push of table {shown(part.table)} carries padding_idx "
+                                      f"{table.spec.padding_idx}, which is never trained")
+            if not bool(torch.isfinite(grads).all()):
+                raise InvalidArgument(f"gradient of table {shown(part.table)} is not finite (Inf or NaN); "
+                                      "nothing was staged")
+            if not (math.isfinite(part.lr) and part.lr >= 0):
+                raise InvalidArgument(f"learning rate of table {shown(part.table)} is {part.lr}; it must be "
+                                      "finite and >= 0")
+            tables[part.table] = (ids, grads, part.lr)
+        self.members[request.worker_id] = request.push
+        self.failed.pop(request.worker_id, None)
+        self.staged[request.worker_id] = _Push(request.push, tables)
+        self.maybe_apply()
+        return pb.PushRowsReply(round=self.round)
+
+    def drop(self, worker_id: str) -> None:
+        """``worker_id`` is no longer a member: its staged push is dropped and rounds stop waiting for it."""
+        self.members.pop(worker_id, None)
+        self.staged.pop(worker_id, None)
+        self.failed.pop(worker_id, None)
+        self.maybe_apply()
+
+    def waiting_for(self) -> list[str]:
+        """The job's members whose push the round being collected still needs (declared or not yet)."""
+        return [w for w in self.store.members.ids() if w not in self.staged]
+
+    def maybe_apply(self) -> None:
+        """Start applying the round once every member of the job pushed (the first round also waits for
+        ``min_workers`` members, as dense rounds do)."""
+        if self.applying or not self.staged or self.waiting_for():
+            return
+        if self.round == 0 and len(self.store.members) < self.store.config.min_workers:
+            return
+        self.applying = True
+        asyncio.get_running_loop().create_task(self._apply())
+
+    async def _apply(self) -> None:
+        workers = sorted(self.staged)
+        pushes = [self.staged[w] for w in workers]
+        number = self.round
+        try:
+            await self.store.run(self._update, pushes, number)
+        except ShardError as exc:
+            log.warning("shard %d: sparse round %d refused: %s", self.store.config.shard_index, number, exc)
+            for w in workers:
+                self.failed[w] = type(exc)(f"sparse round {number} was refused: {exc}")
+        except Exception:
+            log.exception("shard %d: applying sparse round %d failed", self.store.config.shard_index, number)
+            raise
+        else:
+            self.round += 1
+        finally:
+            for w, p in zip(workers, pushes):
+                if self.staged.get(w) is p:
+                    del self.staged[w]
+            self.applying = False
+            self.store.notifier.notify_all()
+            self.maybe_apply()
+
+    def _update(self, pushes: list[_Push], number: int) -> None:
+        """Average and apply one round (compute thread). Checks every table's room before changing any."""
+        started = time.perf_counter()
+        merged = {}
+        for name, table in self.tables.items():
+            parts = [p.tables[name] for p in pushes if name in p.tables]
+            if not parts:
+                continue
+            ids = torch.cat([p[0] for p in parts])
+            grads = torch.cat([p[1] for p in parts])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(0, inverse, grads)
+            sightings = torch.bincount(inverse, minlength=unique.numel())
+            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2])
+            table.check_room(unique)
+        for name, (ids, grad, sightings, lr) in merged.items():
+            self.tables[name].apply(ids, grad, sightings, lr, number)
+        self.rounds_seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------ pull
+    async def pull(self, request: pb.PullRowsRequest, timeout: float | None) -> pb.PullRowsReply:
+        """The rows of ``request.ids``; with ``after_push``, once the caller's last push is applied.
+
+        Raises:
+            FailedPrecondition: not a table member; an unknown table.
+            InvalidArgument: malformed ids, ids of another shard or out of range.
+            ShardError: the round of the caller's last push was refused (its reason).
+            DeadlineExceeded: the round did not complete within the call's deadline.
+        """
+        self.store.check_open()
+        self._member(request.worker_id, request.session)
+        table = self._table(request.table)
+        ids = self._ids(request.ids, table, "the pull")
+        if request.after_push:
+            w = request.worker_id
+
+            def ready() -> bool:
+                return w not in self.staged or w not in self.members or self.store.closing
+
+            limit = self.store.config.max_wait_seconds if timeout is None else min(timeout,
+                                                                                   self.store.config.max_wait_seconds)
+            if not await self.store.notifier.wait_for(ready, limit):
+                waiting = sorted(self.waiting_for())
+                raise DeadlineExceeded(f"sparse round {self.round} did not complete within {limit:.0f}s: it waits "
+                                       f"for the pushes of {', '.join(shown(m) for m in waiting[:8])}")
+            self.store.check_open()
+            self._member(request.worker_id, request.session)
+            if w in self.failed:
+                raise self.failed.pop(w)
+        rows = await self.store.run(table.read, ids)
+        return pb.PullRowsReply(rows=rows_bytes(rows), round=self.round)
+
+    # ------------------------------------------------------------ export, checkpoints, metrics
+    async def export(self, request: pb.ExportRowsRequest) -> pb.ExportRowsReply:
+        """Every row of ``request.table`` on this shard (ids sorted), with its optimizer state if asked.
+
+        Raises:
+            FailedPrecondition: an unknown table.
+        """
+        table = self._table(request.table)
+        ids, weights, state = await self.store.run(table.export)
+        reply = pb.ExportRowsReply(spec=table.spec.to_proto(), ids=ids_bytes(ids), weights=rows_bytes(weights),
+                                   round=self.round, step=table.step)
+        if request.state:
+            for name, t in state.items():
+                reply.state[name] = rows_bytes(t)
+                reply.state_width[name] = t.shape[1]
+        return reply
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Tensors (``rows/<table>/<name>``) and manifest entries of every table (between rounds)."""
+        tensors, tables = {}, {}
+        for name, table in self.tables.items():
+            t, numbers = table.snapshot()
+            tensors.update({f"rows/{name}/{k}": v for k, v in t.items()})
+            tables[name] = {"spec": table.spec.to_proto().SerializeToString().hex(), **numbers}
+        return tensors, {"round": self.round, "tables": tables}
+
+    def restore(self, tensors: dict[str, torch.Tensor], entry: dict) -> None:
+        """Load what :meth:`snapshot` returned (at shard start).
+
+        Raises:
+            ValueError: a table's spec or tensors are malformed.
+        """
+        self.round = int(entry.get("round", 0))
+        for name, numbers in entry.get("tables", {}).items():
+            spec = TableSpec.from_proto(pb.TableSpec.FromString(bytes.fromhex(numbers["spec"])))
+            table = RowTable(spec, spec.max_bytes or self.store.config.table_max_bytes)
+            prefix = f"rows/{name}/"
+            table.restore({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, numbers)
+            self.tables[name] = table
+
+    def metric_values(self) -> dict[str, dict[str, float]]:
+        """Per table: rows, bytes, bytes per row and the counters of ``table.COUNTERS``."""
+        out = {}
+        for name, t in self.tables.items():
+            out[name] = {"rows": t.rows, "bytes": t.nbytes(), **t.counts}
+        return out
+
+    def reset(self) -> None:
+        """The job is dropped: so are its tables."""
+        self.__init__(self.store)
+
+
+__all__ = ["SparseTables", "MAX_TABLES", "COUNTERS"]

@@ -1,0 +1,82 @@
+"""Exporting a sparse table for serving: every shard's rows merged, as ``(ids, weights)`` or a bounded ``weight``.
+
+Serving a hashed table (no shardps needed): keep ``ids`` (sorted int64
+``[n]``) and ``weights`` (float32 ``[n, dim]``); an id's row is
+``weights[i]`` where ``ids[i] == id`` (``torch.searchsorted``), and an id
+not in ``ids`` (never trained, not admitted, or evicted) reads as
+``shardps.common.rows.initial_rows(name, id, dim, seed, init_scale)``,
+as in training: :meth:`TableExport.lookup` does exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardps.common.rows import TableSpec, ids_from, initial_rows, rows_from
+
+__all__ = ["TableExport", "export_table"]
+
+
+@dataclass
+class TableExport:
+    """One table's trained rows from every shard.
+
+    Attributes:
+        spec: the table's spec; ids: sorted int64 ``[n]``; weights: float32 ``[n, dim]``;
+        state: optimizer state per row, ``{name: float32 [n, width]}``; round: the lowest shard's sparse round;
+        steps: each shard's optimizer step count of the table.
+    """
+
+    spec: TableSpec
+    ids: torch.Tensor
+    weights: torch.Tensor
+    state: dict[str, torch.Tensor]
+    round: int
+    steps: list[int]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of int64 ``ids`` (any shape) as training reads them: ``[*ids.shape, dim]`` float32."""
+        s = self.spec
+        flat = ids.reshape(-1)
+        out = initial_rows(s.name, flat, s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
+        if self.ids.numel():
+            pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.numel() - 1)
+            hit = self.ids[pos] == flat
+            out[hit] = self.weights[pos[hit]]
+        return out.view(*ids.shape, s.embedding_dim)
+
+    def weight(self) -> torch.Tensor:
+        """A bounded table as the ``weight`` ``[num_embeddings, dim]`` a plain ``nn.Embedding``/``nn.EmbeddingBag``
+        loads (the padding row zero).
+
+        Raises:
+            ValueError: the table is hashed (it has no id range: use ``ids``/``weights`` and :meth:`lookup`).
+        """
+        if not self.spec.num_embeddings:
+            raise ValueError(f"table {self.spec.name!r} is hashed (no num_embeddings): export it as (ids, weights) "
+                             "and look rows up with TableExport.lookup")
+        return self.lookup(torch.arange(self.spec.num_embeddings))
+
+
+def export_table(clients, name: str) -> TableExport:
+    """Read table ``name`` from every shard (``clients``: ``ShardClient`` per shard) and merge the rows.
+
+    Raises:
+        ShardRpcError: a shard does not hold the table (FAILED_PRECONDITION) or did not answer.
+    """
+    replies = [c.export_rows(name, state=True) for c in clients]
+    spec = TableSpec.from_proto(replies[0].spec)
+    ids, weights, state = [], [], {}
+    for r in replies:
+        part = ids_from(r.ids)
+        ids.append(part)
+        weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim))
+        for k, data in r.state.items():
+            state.setdefault(k, []).append(rows_from(data, part.numel(), r.state_width[k]))
+    all_ids = torch.cat(ids)
+    order = torch.argsort(all_ids)
+    return TableExport(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
+                       state={k: torch.cat(v)[order] for k, v in state.items()},
+                       round=min(r.round for r in replies), steps=[r.step for r in replies])

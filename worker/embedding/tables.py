@@ -1,0 +1,240 @@
+"""The worker's side of sparse tables: declaring them, pulling rows, pushing one step's row gradients.
+
+``DistributedOptimizer(..., sparse_optimizer=opt)`` builds one
+:class:`SparseTables` over the sharded modules whose ``handle`` is in
+``opt``. ``opt``'s class is the tables' optimizer (``torch.optim.SGD``,
+``torch.optim.Adagrad``, ``torch.optim.SparseAdam`` or
+:class:`RowWiseAdagrad`); each param group's ``lr`` is read at every
+``step()`` and sent with the push, its other hyperparameters are fixed
+when the tables are declared (changing one raises at ``step()``). The
+shards run the update (``shardps.server.sparse``); ``opt.step()`` itself
+is never called.
+
+Every ``step()`` pushes to every shard, with an entry for each table that
+had a lookup under autograd in the step (rows summed over the step's
+lookups), so each shard's sparse round has every worker and each table's
+optimizer step count matches torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.rows import TableSpec, ids_bytes, rows_bytes, rows_from, shard_of
+from shardps.worker.embedding.export import TableExport, export_table
+from shardps.worker.embedding.modules import _ShardedTable, is_table_handle
+from shardps.worker.session.client import ShardClient, ShardRpcError
+
+__all__ = ["RowWiseAdagrad", "SparseTables", "check_sparse_options", "table_specs"]
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad for sharded tables: one accumulator per row, the mean of its squared gradient
+    (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``). Only a description for the shards: ``step()`` raises.
+
+    Args: ``params`` (table handles), ``lr``, ``eps`` (1e-10), ``initial_accumulator_value`` (0).
+    """
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value})
+
+    def step(self, closure=None):
+        raise RuntimeError("RowWiseAdagrad runs on the shards: call DistributedOptimizer.step()")
+
+
+def _group_spec(opt: torch.optim.Optimizer, group: dict) -> tuple[str, dict[str, float]]:
+    """The row optimizer and hyperparameters of one param group. Raises ValueError: what the shards cannot run."""
+    name = type(opt).__name__
+    if group.get("maximize") or group.get("weight_decay"):
+        raise ValueError(f"sparse tables take {name} without maximize or weight_decay (torch's sparse {name} "
+                         "refuses them too); add an L2 term on the looked-up rows to the loss instead")
+    if isinstance(opt, torch.optim.SGD):
+        if group.get("momentum") or group.get("nesterov") or group.get("dampening"):
+            raise ValueError("sparse tables take torch.optim.SGD without momentum, dampening or nesterov")
+        return "sgd", {}
+    if isinstance(opt, torch.optim.Adagrad):
+        return "adagrad", {k: float(group[k]) for k in ("lr_decay", "initial_accumulator_value", "eps")}
+    if isinstance(opt, torch.optim.SparseAdam):
+        return "sparse_adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
+                               "eps": float(group["eps"])}
+    if isinstance(opt, RowWiseAdagrad):
+        return "rowwise_adagrad", {k: float(group[k]) for k in ("initial_accumulator_value", "eps")}
+    raise ValueError(f"sparse_optimizer must be torch.optim.SGD, Adagrad, SparseAdam or "
+                     f"shardps.worker.RowWiseAdagrad, got {name}")
+
+
+def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: torch.optim.Optimizer | None,
+                         model: torch.nn.Module | None, mode: str, options) -> None:
+    """Refuse a DistributedOptimizer whose tables would not train as asked.
+
+    Raises:
+        ValueError: a table handle in the dense optimizer; sharded tables in ``model`` without a
+            ``sparse_optimizer``; tables with async/ssp, ``max_grad_norm`` or ``grad_scaler``.
+    """
+    if any(is_table_handle(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds the handle of a sharded table: give table handles to "
+                         "sparse_optimizer= (torch.optim.SGD, Adagrad, SparseAdam or RowWiseAdagrad) and the dense "
+                         "parameters to the optimizer")
+    if sparse_optimizer is None:
+        if model is not None and any(isinstance(m, _ShardedTable) for m in model.modules()):
+            raise ValueError("model has sharded embedding tables: pass sparse_optimizer= over their handles")
+        return
+    if mode != "sync":
+        raise ValueError(f"sparse tables train in sync mode only (got {mode!r}): use ConsistencyOptions(mode='sync')")
+    if options.max_grad_norm is not None or options.grad_scaler is not None:
+        raise ValueError("max_grad_norm and grad_scaler cover the dense parameters only and are not supported with "
+                         "sparse tables yet: clip or scale without them, or train the tables dense")
+
+
+def table_specs(opt: torch.optim.Optimizer, model: torch.nn.Module | None) -> dict[str, tuple[_ShardedTable, TableSpec, dict]]:
+    """``{name: (module, spec, param group)}`` of every table whose handle is in ``opt``.
+
+    A module without ``name`` takes its name in ``model``.
+
+    Raises:
+        ValueError: ``opt`` holds something else than table handles, a table has no name (no ``model``),
+            two tables share a name, or a group's settings cannot run on the shards.
+    """
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    out: dict[str, tuple[_ShardedTable, TableSpec, dict]] = {}
+    for group in opt.param_groups:
+        kind, hyper = _group_spec(opt, group)
+        for p in group["params"]:
+            if not is_table_handle(p):
+                raise ValueError("sparse_optimizer may hold only the handles of ShardedEmbedding/ShardedEmbeddingBag "
+                                 "modules (module.handle); dense parameters go to the first optimizer")
+            module = p._shardps_table
+            name = module.name or names.get(id(module))
+            if not name:
+                raise ValueError("a sharded table has no name: pass name= to it, or model= to DistributedOptimizer")
+            if name in out:
+                raise ValueError(f"two sharded tables are named {name!r}: give each its own name=")
+            module.name = name
+            spec = TableSpec(name=name, embedding_dim=module.embedding_dim, num_embeddings=module.num_embeddings or 0,
+                             padding_idx=-1 if module.padding_idx is None else module.padding_idx, optimizer=kind,
+                             hyperparams=hyper, seed=module.seed, init_scale=module.init_scale,
+                             min_count=module.min_count, ttl_rounds=module.ttl_rounds, capacity=module.capacity,
+                             max_bytes=module.max_bytes)
+            out[name] = (module, spec, group)
+    return out
+
+
+class SparseTables:
+    """One worker's sparse tables over ``clients`` (see the module docstring).
+
+    Args:
+        clients: one connection per shard, in shard order (the DistributedOptimizer's).
+        worker_id, session: this worker's membership (it has joined every shard).
+        optimizer: the sparse optimizer; model: names tables without one (may be None).
+
+    Raises:
+        ValueError: see :func:`table_specs`.
+        ShardRpcError: a shard refused the declaration (another spec under the same name, say).
+    """
+
+    def __init__(self, clients: list[ShardClient], worker_id: str, session: str, optimizer: torch.optim.Optimizer,
+                 model: torch.nn.Module | None) -> None:
+        self._clients, self.worker_id, self.session = clients, worker_id, session
+        self._optimizer = optimizer
+        self.tables = table_specs(optimizer, model)
+        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
+        self._push = 0
+        self.pushed_bytes = self.pulled_bytes = 0
+        self._declare(range(len(clients)))
+        for module, _, _ in self.tables.values():
+            module._tables = self
+
+    def _declare(self, shards) -> None:
+        request = pb.DeclareTablesRequest(worker_id=self.worker_id, session=self.session,
+                                          tables=[spec.to_proto() for _, spec, _ in self.tables.values()])
+        list(self._pool.map(lambda s: self._clients[s].declare_tables(request), shards))
+
+    def _call(self, shard: int, fn):
+        """``fn(client)``; declares again once if the shard forgot this worker's tables (it restarted)."""
+        try:
+            return fn(self._clients[shard])
+        except ShardRpcError as exc:
+            if exc.code.name != "FAILED_PRECONDITION" or "declare" not in exc.details:
+                raise
+            self._declare([shard])
+            return fn(self._clients[shard])
+
+    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of unique int64 ``ids`` ``[n]`` of table ``name``: float32 ``[n, dim]`` (CPU), once this worker's
+        last push is applied. Blocks on the network (one call per shard holding some of the ids).
+
+        Raises:
+            ShardRpcError: a shard refused (its message says why) or the round of the last push was refused.
+        """
+        dim = self.tables[name][1].embedding_dim
+        out = torch.empty(ids.numel(), dim)
+        if not ids.numel():
+            return out
+        where = shard_of(name, ids, len(self._clients))
+        parts = [(s, (where == s).nonzero().reshape(-1)) for s in range(len(self._clients))]
+
+        def one(part):
+            s, idx = part
+            request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, table=name,
+                                         ids=ids_bytes(ids[idx]), after_push=True)
+            reply = self._call(s, lambda c: c.pull_rows(request))
+            return idx, rows_from(reply.rows, idx.numel(), dim), len(reply.rows)
+
+        for idx, rows, size in self._pool.map(one, [p for p in parts if p[1].numel()]):
+            out[idx] = rows
+            self.pulled_bytes += size
+        return out
+
+    def zero_grad(self) -> None:
+        """Forget the step's lookups (their gradients are not pushed)."""
+        for module, _, _ in self.tables.values():
+            module.pending.clear()
+
+    def push(self) -> None:
+        """Push this step's row gradients to every shard (all of them, rows or not) and forget the lookups.
+
+        Raises:
+            ValueError: a table's learning rate is not finite and >= 0, or another hyperparameter changed.
+            ShardRpcError: a shard refused the push (non-finite gradient, memory limit...).
+        """
+        num_shards = len(self._clients)
+        parts: list[list[pb.TableRows]] = [[] for _ in range(num_shards)]
+        for name, (module, spec, group) in self.tables.items():
+            lookups = [(ids, leaf.grad) for ids, leaf in module.pending if leaf.grad is not None]
+            module.pending.clear()
+            if not lookups:
+                continue  # as torch: a table without a gradient this step is not stepped
+            lr = float(group["lr"])
+            if not (math.isfinite(lr) and lr >= 0):
+                raise ValueError(f"learning rate of table {name!r} is {lr}; it must be finite and >= 0")
+            if _group_spec(self._optimizer, group)[1] != spec.hyperparams:
+                raise ValueError(f"a hyperparameter of table {name!r} changed after it was declared; only lr may "
+                                 "change during training")
+            ids = torch.cat([i for i, _ in lookups])
+            grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
+            where = shard_of(name, unique, num_shards)
+            for s in range(num_shards):
+                idx = (where == s).nonzero().reshape(-1)
+                parts[s].append(pb.TableRows(table=name, ids=ids_bytes(unique[idx]), grads=rows_bytes(summed[idx]),
+                                             lr=lr))
+        self._push += 1
+        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push,
+                                       tables=parts[s]) for s in range(num_shards)]
+        self.pushed_bytes += sum(r.ByteSize() for r in requests)
+        list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(num_shards)))
+
+    def export(self, name: str) -> "TableExport":
+        """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``)."""
+        return export_table(self._clients, name)
+
+    def close(self) -> None:
+        for module, _, _ in self.tables.values():
+            module._tables = None
+            module.pending.clear()
+        self._pool.shutdown(wait=False)
