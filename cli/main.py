@@ -166,6 +166,21 @@ def _parser() -> argparse.ArgumentParser:
                         "'worker K metrics on HOST:PORT' (default: no metrics endpoint)")
     operator_cli.add_security_flags(d)
     d.set_defaults(run=_train_digits)
+    m = train.add_parser("movielens", help="matrix factorisation on MovieLens-100K, user and item tables on the "
+                                           "shards, sync (BSP)")
+    m.add_argument("--data-dir", required=True,
+                   help="the ml-100k folder (u1.base, u1.test), from https://grouplens.org/datasets/movielens/100k/")
+    m.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    m.add_argument("--shards", type=int, default=2, help="shards to start when --servers is not given (default 2)")
+    m.add_argument("--servers", type=_servers, default=(), help="running shards host:port,... in shard order")
+    m.add_argument("--epochs", type=int, default=25, help="passes over u1.base (default 25)")
+    m.add_argument("--batch-size", type=int, default=512, help="ratings per worker per step (default 512)")
+    m.add_argument("--dim", type=int, default=64, help="values per user and item vector (default 64)")
+    m.add_argument("--lr", type=float, default=0.02, help="Adagrad learning rate of the vector tables (default 0.02)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the shuffles (default 0)")
+    m.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    m.add_argument("--report", type=Path, help="write a JSON report to this path")
+    m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     return p
 
@@ -214,6 +229,24 @@ def _train_digits(args: argparse.Namespace) -> int:
         f"({report['workers']} workers x {report['local_ranks']} local ranks, {report['shards']} shards, "
         f"{report['mode']})"
     )
+    _write_report(args.report, report)
+    return 0
+
+
+def _train_movielens(args: argparse.Namespace) -> int:
+    _check_apps_extra()
+    from shardps.apps.movielens import MovieLensConfig, run
+
+    config = MovieLensConfig(data_dir=args.data_dir, workers=args.workers, shards=args.shards, servers=args.servers,
+                             epochs=args.epochs, batch_size=args.batch_size, dim=args.dim, lr=args.lr,
+                             seed=args.seed, progress=not args.no_progress)
+    try:
+        report = run(config)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    _say(f"movielens: test RMSE {report['test_rmse']:.4f} on u1.test, train MSE {report['train_loss']:.4f}, "
+         f"{report['steps']} steps in {report['wall_seconds']:.1f}s ({report['workers']} workers, "
+         f"{report['shards']} shards)")
     _write_report(args.report, report)
     return 0
 

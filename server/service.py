@@ -230,7 +230,7 @@ class ShardServicer:
 
     @_unary
     async def PushRows(self, request: bytes, context) -> pb.PushRowsReply:
-        return self.store.tables.push(_parse(pb.PushRowsRequest, request, "push_rows"))
+        return await self.store.tables.push(_parse(pb.PushRowsRequest, request, "push_rows"), context.time_remaining())
 
     @_unary
     async def ExportRows(self, request: bytes, context) -> pb.ExportRowsReply:

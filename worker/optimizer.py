@@ -273,8 +273,8 @@ class DistributedOptimizer(RoundSteps, JobView):
             self.resumed = min(self.versions) > 0
             self._job_id = joined.job_id
             self._announce_join(joined.initialised)
-            self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model) \
-                if sparse_optimizer is not None else None
+            self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model,
+                                        self._rejoin_shard) if sparse_optimizer is not None else None
             self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
                                         lease_seconds=joined.lease_seconds, on_wait=observability.on_wait)
         except BaseException:
@@ -293,6 +293,10 @@ class DistributedOptimizer(RoundSteps, JobView):
         except BaseException:
             self._close_refused(saved)
             raise
+
+    def _rejoin_shard(self, shard: int) -> None:
+        """Join shard ``shard`` again now (its sparse tables found this worker gone: it restarted)."""
+        self.versions[shard] = self._recovery.rejoin(shard, "its sparse tables no longer knew this worker")
 
     # ------------------------------------------------------------ public API
     @property

@@ -360,6 +360,8 @@ class StreamedRounds:
                         if rnd.frozen is None:
                             self._freeze(rnd, needed)
                         await self._apply(rnd, ready)
+                    elif not rnd.applied and rnd.frozen is None and all(w in rnd.trailers for w in needed):
+                        self._freeze(rnd, needed)  # a shard that holds no chunk: the round is its trailers
                     if all(rnd.applied) and rnd.frozen is not None and all(
                             m.worker_id in rnd.trailers for m in rnd.frozen):
                         await self._finish(rnd)

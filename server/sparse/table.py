@@ -1,8 +1,9 @@
 """``RowTable``: one sparse table's rows on one shard, their optimizer state, admission and eviction.
 
-Rows live in growable float32 tensors (weights ``[capacity, dim]``, each
-state entry ``[capacity, width]``, the round each row was last pushed
-``[capacity]``), addressed through an :class:`~shardps.server.sparse.index.IdIndex`;
+Rows live in float32 tensors grown by 1/8 at a time (weights ``[capacity,
+dim]``, each state entry ``[capacity, width]``; int32 ``[capacity]``, the
+round each row was last pushed, so rounds count up to 2**31), addressed
+through an :class:`~shardps.server.sparse.index.IdIndex`;
 freed slots are reused. An id that is not a row reads as its initial value
 (``shardps.common.rows.initial_rows``), so a row is created only when a
 gradient is applied to it.
@@ -58,9 +59,9 @@ class RowTable:
         cap = 0 if old is None else old.shape[0]
         if old is not None and need <= cap:
             return
-        new = max(need, int(cap * 1.25) + 64)
+        new = max(need, int(cap * 1.125) + 64)
         dim = self.spec.embedding_dim
-        weights, touched = torch.zeros(new, dim), torch.zeros(new, dtype=torch.int64)
+        weights, touched = torch.zeros(new, dim), torch.zeros(new, dtype=torch.int32)
         state = {name: torch.zeros(new, w) for name, w in self.widths.items()}
         if old is not None:
             weights[:cap] = old
@@ -83,7 +84,7 @@ class RowTable:
 
     def nbytes(self) -> int:
         """Bytes this table holds on the shard: row storage (allocated), index, admission counts."""
-        per_slot = 4 * (self.spec.embedding_dim + sum(self.widths.values())) + 8
+        per_slot = 4 * (self.spec.embedding_dim + sum(self.widths.values())) + 4
         return self.weights.shape[0] * per_slot + self.index.nbytes() + self.candidates.nbytes() + \
             self._cand.numel() * 8
 
@@ -91,37 +92,43 @@ class RowTable:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``): float32 ``[n, dim]``; ids that are not rows read as initialised."""
         s = self.spec
-        out = initial_rows(s.name, ids, s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
         slots = self.index.find(ids)
         found = slots >= 0
-        out[found] = self.weights[slots[found]]
+        out = self.weights[slots.clamp(min=0)]
+        if not bool(found.all()):
+            missing = ~found
+            out[missing] = initial_rows(s.name, ids[missing], s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
         self.counts["rows_pulled"] += ids.numel()
         return out
 
     # ------------------------------------------------------------ a round
-    def check_room(self, ids: torch.Tensor) -> None:
-        """Refuse a round that would take the table past ``max_bytes`` (nothing changed).
+    def check_room(self, ids: torch.Tensor) -> torch.Tensor:
+        """Refuse a round that would take the table past ``max_bytes`` (nothing changed); returns the slot of
+        each id (-1: not a row), for :meth:`apply`.
 
         Raises:
             ResourceExhausted: the message names the table, its limit and what the round needs.
         """
-        new = int((self.index.find(ids) < 0).sum())
-        per_row = self.spec.row_bytes() + 8 + 45
+        slots = self.index.find(ids)
+        new = int((slots < 0).sum())
+        per_row = self.spec.row_bytes() + 4 + 35
         need = (self.rows + new) * per_row
         if self.max_bytes and need > self.max_bytes:
             raise ResourceExhausted(
                 f"table {self.spec.name!r} would need about {need} bytes on this shard for {self.rows + new} rows "
                 f"(limit {self.max_bytes} bytes): raise the table's max_bytes or the shard's "
                 "--table-max-bytes, add shards, or set capacity/ttl_rounds so rows are evicted")
+        return slots
 
-    def apply(self, ids: torch.Tensor, grad: torch.Tensor, sightings: torch.Tensor, lr: float, round_: int) -> None:
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, sightings: torch.Tensor, lr: float, round_: int,
+              slots: torch.Tensor | None = None) -> None:
         """One round's update: ``ids`` unique int64 ``[n]``, ``grad`` the averaged float32 ``[n, dim]``,
-        ``sightings`` int64 ``[n]`` (pushes that carried each id), ``round_`` the round's number."""
+        ``sightings`` int64 ``[n]`` (pushes that carried each id), ``round_`` the round's number;
+        ``slots``: :meth:`check_room`'s answer for ``ids`` (None: looked up here)."""
         s = self.spec
         self.counts["rows_pushed"] += ids.numel()
-        if ids.numel():
-            self.step += 1
-        slots = self.index.find(ids)
+        self.step += 1
+        slots = self.index.find(ids) if slots is None else slots.clone()
         new = slots < 0
         if s.min_count > 1 and bool(new.any()):
             admit = self._count(ids[new], sightings[new], round_)
@@ -205,7 +212,8 @@ class RowTable:
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and numbers that :meth:`restore` turns back into this table, bit for bit."""
         ids, weights, state = self.export()
-        touched = self.touched[self.index.find(ids)] if ids.numel() else torch.zeros(0, dtype=torch.int64)
+        touched = self.touched[self.index.find(ids)].to(torch.int64) if ids.numel() else \
+            torch.zeros(0, dtype=torch.int64)
         cand_ids, cslots = self.candidates.items()
         tensors = {"ids": ids, "weights": weights, "touched": touched, "cand_ids": cand_ids,
                    "cand": self._cand[cslots].clone() if cand_ids.numel() else torch.zeros(0, 2, dtype=torch.int64)}
@@ -228,7 +236,7 @@ class RowTable:
         slots = self._take_slots(n)
         self.index.insert(ids, slots)
         self.weights[slots] = weights
-        self.touched[slots] = tensors["touched"]
+        self.touched[slots] = tensors["touched"].to(torch.int32)
         for k in self.widths:
             self.state[k][slots] = tensors[f"state.{k}"]
         cand_ids = tensors["cand_ids"]

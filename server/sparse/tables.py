@@ -131,11 +131,14 @@ class SparseTables:
         return ids
 
     # ------------------------------------------------------------ push
-    def push(self, request: pb.PushRowsRequest) -> pb.PushRowsReply:
+    async def push(self, request: pb.PushRowsRequest, timeout: float | None = None) -> pb.PushRowsReply:
         """Stage one member's rows for the round being collected; apply it once every member pushed.
 
+        A push that comes while the member's previous one is still staged waits until that round is applied.
+
         Raises:
-            FailedPrecondition: not a table member; a second push before the first one's round was applied.
+            FailedPrecondition: not a table member.
+            DeadlineExceeded: the previous push's round was not applied in time.
             InvalidArgument: an unknown table, ids of another shard or out of range, repeated ids, a
                 gradient of the wrong size or not finite, a bad learning rate. Nothing is staged.
         """
@@ -144,9 +147,19 @@ class SparseTables:
         last = self.members[request.worker_id]
         if request.push == last:
             return pb.PushRowsReply(round=self.round)  # a retry of a push already taken
-        if request.worker_id in self.staged:
-            raise FailedPrecondition(f"worker {shown(request.worker_id)} pushed rows again before its last push "
-                                     "was applied: pull with after_push first")
+        if request.worker_id in self.staged:  # its last push's round is still collected or applied: wait
+            w = request.worker_id
+            limit = self.store.config.max_wait_seconds if timeout is None else min(
+                timeout, self.store.config.max_wait_seconds)
+            if not await self.store.notifier.wait_for(
+                    lambda: w not in self.staged or w not in self.members or self.store.closing, limit):
+                raise DeadlineExceeded(f"the previous push of worker {shown(w)} was not applied within "
+                                       f"{limit:.0f}s: sparse round {self.round} waits for "
+                                       f"{', '.join(shown(m) for m in self.waiting_for()[:8])}")
+            self.store.check_open()
+            self._member(request.worker_id, request.session)
+            if request.push == self.members[w]:
+                return pb.PushRowsReply(round=self.round)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         for part in request.tables:
             table = self._table(part.table)
@@ -234,10 +247,9 @@ class SparseTables:
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(0, inverse, grads)
             sightings = torch.bincount(inverse, minlength=unique.numel())
-            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2])
-            table.check_room(unique)
-        for name, (ids, grad, sightings, lr) in merged.items():
-            self.tables[name].apply(ids, grad, sightings, lr, number)
+            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2], table.check_room(unique))
+        for name, (ids, grad, sightings, lr, slots) in merged.items():
+            self.tables[name].apply(ids, grad, sightings, lr, number, slots)
         self.rounds_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------ pull
@@ -273,6 +285,11 @@ class SparseTables:
         rows = await self.store.run(table.read, ids)
         return pb.PullRowsReply(rows=rows_bytes(rows), round=self.round)
 
+    async def _settled(self) -> None:
+        """Wait (up to ``max_wait_seconds``) while a round is applied: reads between rounds see whole rounds."""
+        await self.store.notifier.wait_for(lambda: not self.applying or self.store.closing,
+                                           self.store.config.max_wait_seconds)
+
     # ------------------------------------------------------------ export, checkpoints, metrics
     async def export(self, request: pb.ExportRowsRequest) -> pb.ExportRowsReply:
         """Every row of ``request.table`` on this shard (ids sorted), with its optimizer state if asked.
@@ -281,6 +298,7 @@ class SparseTables:
             FailedPrecondition: an unknown table.
         """
         table = self._table(request.table)
+        await self._settled()
         ids, weights, state = await self.store.run(table.export)
         reply = pb.ExportRowsReply(spec=table.spec.to_proto(), ids=ids_bytes(ids), weights=rows_bytes(weights),
                                    round=self.round, step=table.step)

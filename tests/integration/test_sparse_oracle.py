@@ -43,8 +43,10 @@ class Net(nn.Module):
                 for name in ("bag_sum", "bag_mean", "emb"):
                     getattr(self, name).weight.copy_(initial_rows(name, torch.arange(N), DIM, 0, SCALE,
                                                                   0 if name == "emb" else -1))
-        torch.manual_seed(0)  # the same head whatever the tables consumed of the generator
         self.head = nn.Linear(3 * DIM, 1)
+        with torch.no_grad():  # from a generator of its own: the workers are threads sharing torch's global one
+            self.head.weight.copy_(torch.randn(1, 3 * DIM, generator=torch.Generator().manual_seed(0)) * 0.3)
+            self.head.bias.zero_()
 
     def forward(self, batch: dict) -> torch.Tensor:
         a = self.bag_sum(batch["ids"], batch["offsets"], per_sample_weights=batch["weights"])
@@ -78,7 +80,6 @@ def optimizers(kind: str, model: Net):
 
 
 def oracle(kind: str) -> Net:
-    torch.manual_seed(0)
     model = Net(sharded=False)
     dense, sparse = optimizers(kind, model)
     for step in range(STEPS):
@@ -92,7 +93,6 @@ def oracle(kind: str) -> Net:
 
 
 def train_sharded(kind: str, servers: str, worker: int, out: dict) -> None:
-    torch.manual_seed(0)
     model = Net(sharded=True)
     dense, sparse = optimizers(kind, model)
     dist = DistributedOptimizer(dense, model.named_parameters(), servers=servers, model=model,

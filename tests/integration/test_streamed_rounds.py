@@ -176,3 +176,40 @@ def test_learning_rate_changed_after_backward_is_refused_and_nothing_changes(sta
         ref_opt.step()
         for want, got in zip(ref.parameters(), model.parameters()):
             assert torch.allclose(want, got, rtol=0, atol=1e-7)
+
+
+def test_a_shard_that_holds_no_chunk_completes_streamed_rounds(start_cluster) -> None:
+    """One scalar parameter on two shards: shard 1 holds nothing, and its round is only the workers' trailers
+    (it used to wait for a first chunk that never came, and the step timed out)."""
+    import threading
+
+    from shardps.worker import DistributedOptimizer
+    from shardps.worker.config import WireOptions
+
+    cluster = start_cluster(2, min_workers=2)
+    values, errors = {}, []
+
+    def run(w: int) -> None:
+        p = nn.Parameter(torch.tensor(1.0))
+        try:
+            dist = DistributedOptimizer(torch.optim.SGD([p], lr=0.1), [("p", p)], servers=cluster.servers,
+                                        worker_id=f"w{w}", wire=WireOptions(streamed=True, rpc_timeout=30))
+            try:
+                for _ in range(3):
+                    dist.zero_grad()
+                    (p * (w + 1)).backward()
+                    dist.step()
+                values[w], versions = float(p), list(dist.versions)
+                assert versions == [3, 3], versions
+            finally:
+                dist.close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert values[0] == values[1] == pytest.approx(1.0 - 3 * 0.1 * 1.5)

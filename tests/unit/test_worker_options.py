@@ -130,7 +130,9 @@ def test_distributed_optimizer_signature() -> None:
     params = inspect.signature(DistributedOptimizer).parameters
     assert list(params) == ["optimizer", "named_parameters", "servers", "worker_id", "model", "named_buffers",
                             "broadcast_buffers", "backward_passes_per_step", "max_grad_norm", "norm_type",
-                            "grad_scaler", "push_during_backward", "consistency", "wire", "observability", "legacy"]
+                            "grad_scaler", "push_during_backward", "consistency", "wire", "observability",
+                            "sparse_optimizer",
+                            "legacy"]
     assert params["consistency"].default == ConsistencyOptions()
     assert params["wire"].default == WireOptions()
     assert params["observability"].default == ObservabilityOptions()

@@ -19,21 +19,32 @@ every step, so LR schedulers work) and hyperparameters.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardps.common.rows import check_ids
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "is_table_handle"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "ShardedTable", "is_table_handle", "table_of"]
+
+_HANDLES: "weakref.WeakValueDictionary[int, ShardedTable]" = weakref.WeakValueDictionary()  # id(handle) -> module
 
 
 def is_table_handle(p: torch.Tensor) -> bool:
     """True for the ``handle`` placeholder of a sharded table module."""
-    return getattr(p, "_shardps_table", None) is not None
+    return _HANDLES.get(id(p)) is not None and _HANDLES[id(p)].handle is p
 
 
-class _ShardedTable(nn.Module):
+def table_of(p: torch.Tensor) -> "ShardedTable":
+    """The sharded table module whose ``handle`` is ``p``. Raises KeyError: ``p`` is not a handle."""
+    if not is_table_handle(p):
+        raise KeyError("not the handle of a sharded table")
+    return _HANDLES[id(p)]
+
+
+class ShardedTable(nn.Module):
     """What both modules share: the table's settings, the pull, the lookups of the step waiting for their push.
 
     Args:
@@ -68,18 +79,23 @@ class _ShardedTable(nn.Module):
         self.padding_idx, self.seed, self.init_scale = padding_idx, seed, init_scale
         self.min_count, self.ttl_rounds, self.capacity, self.max_bytes = min_count, ttl_rounds, capacity, max_bytes
         self.handle = nn.Parameter(torch.empty(0))
-        self.handle._shardps_table = self
-        self._tables = None  # the DistributedOptimizer's SparseTables, once attached
+        _HANDLES[id(self.handle)] = self
+        self.tables = None  # the DistributedOptimizer's SparseTables once attached (``attach``)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, leaf) per lookup of the step
 
     def extra_repr(self) -> str:
         size = "hashed" if self.num_embeddings is None else str(self.num_embeddings)
         return f"{size}, {self.embedding_dim}, name={self.name!r}"
 
+    def attach(self, tables) -> None:
+        """Pull and push through ``tables`` (a ``SparseTables``); None detaches (forward then raises)."""
+        self.tables = tables
+        self.pending.clear()
+
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """``(weight [m (+1), dim], local index of each id (ids' shape), local padding index or None)``."""
         what = f"{type(self).__name__} {self.name!r}"
-        if self._tables is None:
+        if self.tables is None:
             raise RuntimeError(f"{what} is not attached to shards yet: pass its handle to "
                                "DistributedOptimizer(..., sparse_optimizer=) before the first forward")
         check_ids(ids, what, self.num_embeddings or 0)
@@ -94,7 +110,7 @@ class _ShardedTable(nn.Module):
                 pad = int(keep.sum())
                 local[is_pad] = pad
                 unique, inverse = unique[keep], local[inverse]
-        rows = self._tables.pull(self.name, unique).to(device)
+        rows = self.tables.pull(self.name, unique).to(device)
         train = torch.is_grad_enabled() and self.training
         if train:
             rows.requires_grad_(True)
@@ -103,10 +119,10 @@ class _ShardedTable(nn.Module):
         return weight, inverse.view(ids.shape).to(device), pad
 
 
-class ShardedEmbedding(_ShardedTable):
+class ShardedEmbedding(ShardedTable):
     """``nn.Embedding`` (``sparse=True``) with its rows on the shards: ``forward(input)`` -> ``[*input.shape, dim]``.
 
-    ``input``: int64 ids of any shape (see :class:`_ShardedTable` for the arguments).
+    ``input``: int64 ids of any shape (see :class:`ShardedTable` for the arguments).
 
     Raises:
         TypeError: ids that are not int64.
@@ -122,7 +138,7 @@ class ShardedEmbedding(_ShardedTable):
         return F.embedding(index, weight)
 
 
-class ShardedEmbeddingBag(_ShardedTable):
+class ShardedEmbeddingBag(ShardedTable):
     """``nn.EmbeddingBag`` (``sparse=True``) with its rows on the shards.
 
     ``forward(input, offsets=None, per_sample_weights=None)`` as ``nn.EmbeddingBag``'s: 2-D ``input``

@@ -26,7 +26,7 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.rows import TableSpec, ids_bytes, rows_bytes, rows_from, shard_of
 from shardps.worker.embedding.export import TableExport, export_table
-from shardps.worker.embedding.modules import _ShardedTable, is_table_handle
+from shardps.worker.embedding.modules import ShardedTable, is_table_handle, table_of
 from shardps.worker.session.client import ShardClient, ShardRpcError
 
 __all__ = ["RowWiseAdagrad", "SparseTables", "check_sparse_options", "table_specs"]
@@ -80,7 +80,7 @@ def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: tor
                          "sparse_optimizer= (torch.optim.SGD, Adagrad, SparseAdam or RowWiseAdagrad) and the dense "
                          "parameters to the optimizer")
     if sparse_optimizer is None:
-        if model is not None and any(isinstance(m, _ShardedTable) for m in model.modules()):
+        if model is not None and any(isinstance(m, ShardedTable) for m in model.modules()):
             raise ValueError("model has sharded embedding tables: pass sparse_optimizer= over their handles")
         return
     if mode != "sync":
@@ -90,7 +90,8 @@ def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: tor
                          "sparse tables yet: clip or scale without them, or train the tables dense")
 
 
-def table_specs(opt: torch.optim.Optimizer, model: torch.nn.Module | None) -> dict[str, tuple[_ShardedTable, TableSpec, dict]]:
+def table_specs(opt: torch.optim.Optimizer,
+                model: torch.nn.Module | None) -> dict[str, tuple[ShardedTable, TableSpec, dict]]:
     """``{name: (module, spec, param group)}`` of every table whose handle is in ``opt``.
 
     A module without ``name`` takes its name in ``model``.
@@ -100,14 +101,14 @@ def table_specs(opt: torch.optim.Optimizer, model: torch.nn.Module | None) -> di
             two tables share a name, or a group's settings cannot run on the shards.
     """
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-    out: dict[str, tuple[_ShardedTable, TableSpec, dict]] = {}
+    out: dict[str, tuple[ShardedTable, TableSpec, dict]] = {}
     for group in opt.param_groups:
         kind, hyper = _group_spec(opt, group)
         for p in group["params"]:
             if not is_table_handle(p):
                 raise ValueError("sparse_optimizer may hold only the handles of ShardedEmbedding/ShardedEmbeddingBag "
                                  "modules (module.handle); dense parameters go to the first optimizer")
-            module = p._shardps_table
+            module = table_of(p)
             name = module.name or names.get(id(module))
             if not name:
                 raise ValueError("a sharded table has no name: pass name= to it, or model= to DistributedOptimizer")
@@ -130,6 +131,7 @@ class SparseTables:
         clients: one connection per shard, in shard order (the DistributedOptimizer's).
         worker_id, session: this worker's membership (it has joined every shard).
         optimizer: the sparse optimizer; model: names tables without one (may be None).
+        rejoin: joins shard ``i`` again (the DistributedOptimizer's recovery) when it forgot this worker.
 
     Raises:
         ValueError: see :func:`table_specs`.
@@ -137,8 +139,8 @@ class SparseTables:
     """
 
     def __init__(self, clients: list[ShardClient], worker_id: str, session: str, optimizer: torch.optim.Optimizer,
-                 model: torch.nn.Module | None) -> None:
-        self._clients, self.worker_id, self.session = clients, worker_id, session
+                 model: torch.nn.Module | None, rejoin) -> None:
+        self._clients, self.worker_id, self.session, self._rejoin = clients, worker_id, session, rejoin
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
@@ -146,7 +148,7 @@ class SparseTables:
         self.pushed_bytes = self.pulled_bytes = 0
         self._declare(range(len(clients)))
         for module, _, _ in self.tables.values():
-            module._tables = self
+            module.attach(self)
 
     def _declare(self, shards) -> None:
         request = pb.DeclareTablesRequest(worker_id=self.worker_id, session=self.session,
@@ -154,12 +156,15 @@ class SparseTables:
         list(self._pool.map(lambda s: self._clients[s].declare_tables(request), shards))
 
     def _call(self, shard: int, fn):
-        """``fn(client)``; declares again once if the shard forgot this worker's tables (it restarted)."""
+        """``fn(client)``; joins and declares again once if the shard forgot this worker (it restarted)."""
         try:
             return fn(self._clients[shard])
         except ShardRpcError as exc:
-            if exc.code.name != "FAILED_PRECONDITION" or "declare" not in exc.details:
+            if exc.code.name != "FAILED_PRECONDITION" or not ("declare" in exc.details or "not a member" in
+                                                              exc.details):
                 raise
+            if "not a member" in exc.details:
+                self._rejoin(shard)
             self._declare([shard])
             return fn(self._clients[shard])
 
@@ -235,6 +240,5 @@ class SparseTables:
 
     def close(self) -> None:
         for module, _, _ in self.tables.values():
-            module._tables = None
-            module.pending.clear()
+            module.attach(None)
         self._pool.shutdown(wait=False)

@@ -1,0 +1,245 @@
+"""Sparse tables against real shard processes: placement-independent init, refusals, admission and eviction
+(counted on the Prometheus endpoint), restart from a checkpoint bit for bit, export into plain torch modules."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from shardps.common.rows import ids_bytes, initial_rows, rows_bytes, shard_of
+from shardps.proto import shardps_pb2 as pb
+from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag
+from shardps.worker.session.client import ShardClient, ShardRpcError
+from tests.support.forked import ForkedCluster
+from tests.support.prom import scrape, value
+
+INT64 = torch.tensor([-(2**63), 2**63 - 1, -1, 0, 1, 123456789012345, -987654321098765, 2**40 + 7])
+
+
+class Tables(nn.Module):
+    def __init__(self, **table) -> None:
+        super().__init__()
+        self.table = ShardedEmbedding(**table)
+        self.dense = nn.Linear(1, 1)  # the same dense plan whatever the table's dimension
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.table(ids).sum(-1, keepdim=True)).sum()
+
+
+def attach(cluster, worker_id="w0", lr=0.1, kind="sgd", **table):
+    table.setdefault("num_embeddings", None)
+    table.setdefault("embedding_dim", 4)
+    model = Tables(**table)
+    sparse = {"sgd": lambda h: torch.optim.SGD(h, lr=lr), "adagrad": lambda h: torch.optim.Adagrad(h, lr=lr),
+              "adam": lambda h: torch.optim.SparseAdam(h, lr=lr)}[kind]([model.table.handle])
+    dist = DistributedOptimizer(torch.optim.SGD(model.dense.parameters(), lr=0.0), model.named_parameters(),
+                                servers=cluster.servers, model=model, worker_id=worker_id, sparse_optimizer=sparse)
+    return model, dist
+
+
+def train(model, dist, batches) -> None:
+    for ids in batches:
+        dist.zero_grad()
+        model(ids).backward()
+        dist.step()
+    dist.synchronize()
+
+
+def reset(cluster) -> None:
+    for address in cluster.addresses:
+        client = ShardClient(address, index=0)
+        try:
+            client.reset()
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_hashed_ids_from_the_whole_int64_range_initialise_the_same_for_any_shard_count(num_shards):
+    with ForkedCluster(num_shards) as cluster:
+        model, dist = attach(cluster, lr=0.0)
+        try:
+            with torch.no_grad():
+                read = model.table(INT64)
+            train(model, dist, [INT64])  # lr 0: the rows are created, unchanged
+            export = dist.tables.export("table")
+        finally:
+            dist.close()
+    want = initial_rows("table", INT64, 4, 0, 0.5)
+    assert torch.equal(read, want)
+    assert export.ids.tolist() == sorted(INT64.tolist())
+    assert torch.equal(export.weights, initial_rows("table", export.ids, 4, 0, 0.5))
+    assert shard_of("table", INT64, num_shards).unique().numel() == min(num_shards, 3)  # the ids spread
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sparse-ckpt")
+    with ForkedCluster(2, extra_args=("--metrics-port", "0", "--checkpoint-dir", str(directory))) as cluster:
+        yield cluster
+
+
+def test_bounded_tables_refuse_bad_ids_and_dtypes_at_the_call_and_change_nothing(shards):
+    reset(shards)
+    model, dist = attach(shards, num_embeddings=10)
+    try:
+        train(model, dist, [torch.tensor([1, 2, 3])])
+        before = dist.tables.export("table")
+        with pytest.raises(ValueError, match=r"id 10 is outside \[0, 10\)"):
+            model(torch.tensor([1, 10]))
+        with pytest.raises(ValueError, match="id -1 is outside"):
+            model(torch.tensor([-1]))
+        with pytest.raises(TypeError, match="int64"):
+            model(torch.tensor([1.0, 2.0]))
+        with pytest.raises(TypeError, match="int64"):
+            model(torch.tensor([1, 2], dtype=torch.int32))
+        assert not model.table.pending
+        after = dist.tables.export("table")
+        assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
+        assert before.round == after.round
+        # another worker declaring the same table with another dimension is refused at Join
+        with pytest.raises(ShardRpcError, match="embedding_dim: 4 vs 8"):
+            attach(shards, worker_id="w1", num_embeddings=10, embedding_dim=8)
+        assert dist.tables.export("table").spec.embedding_dim == 4
+        train(model, dist, [torch.tensor([4])])  # the job goes on
+    finally:
+        dist.close()
+
+
+def test_hostile_row_pushes_are_refused_and_stage_nothing(shards):
+    reset(shards)
+    model, dist = attach(shards)
+    client = ShardClient(shards.addresses[0], index=0)
+    try:
+        ids = torch.arange(200)
+        mine = ids[shard_of("table", ids, 2) == 0][:3]
+        theirs = ids[shard_of("table", ids, 2) == 1][:1]
+
+        def push(ids, grads, **kw):
+            request = pb.PushRowsRequest(worker_id="w0", session=dist.session, push=99, tables=[
+                pb.TableRows(table=kw.get("table", "table"), ids=ids_bytes(ids), grads=rows_bytes(grads),
+                             lr=kw.get("lr", 0.1))])
+            with pytest.raises(ShardRpcError) as info:
+                client.push_rows(request)
+            return info.value
+
+        assert push(theirs, torch.zeros(1, 4)).code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not hold" in push(theirs, torch.zeros(1, 4)).details
+        assert "not finite" in push(mine, torch.full((3, 4), float("nan"))).details
+        assert "repeats an id" in push(mine[[0, 0]], torch.zeros(2, 4)).details
+        assert "float32 values" in push(mine, torch.zeros(3, 3)).details
+        assert "learning rate" in push(mine, torch.zeros(3, 4), lr=-1.0).details
+        assert "not declared" in push(mine, torch.zeros(3, 4), table="nope").details
+        assert client.stats().version == 0
+        train(model, dist, [torch.tensor([1, 2])])  # nothing was staged: the round applies this worker's push
+        assert dist.tables.export("table").round == 1
+    finally:
+        client.close()
+        dist.close()
+
+
+def sparse_metric(cluster, name: str) -> float:
+    return sum(value(scrape(ep["metrics"]), f"shardps_shard_table_{name}", shard=i, table="table")
+               for i, ep in enumerate(cluster.endpoints))
+
+
+def test_admission_counts_sightings_and_drops_gradients_until_min_count(shards):
+    reset(shards)
+    model, dist = attach(shards, min_count=2, lr=1.0)
+    try:
+        train(model, dist, [torch.tensor([7, 8])])
+        assert dist.tables.export("table").ids.numel() == 0  # seen once: not rows, gradients dropped
+        with torch.no_grad():
+            assert torch.equal(model.table(torch.tensor([7])), initial_rows("table", torch.tensor([7]), 4, 0, 0.5))
+        train(model, dist, [torch.tensor([7])])  # the second sighting admits 7 and applies its gradient
+        export = dist.tables.export("table")
+        assert export.ids.tolist() == [7]
+        assert not torch.equal(export.weights, initial_rows("table", torch.tensor([7]), 4, 0, 0.5))
+        assert sparse_metric(shards, "admitted_total") == 1
+        assert sparse_metric(shards, "dropped_unadmitted_total") == 2
+        assert sparse_metric(shards, "rows") == 1
+    finally:
+        dist.close()
+
+
+def test_rows_idle_for_ttl_rounds_and_beyond_capacity_are_evicted(shards):
+    reset(shards)
+    model, dist = attach(shards, ttl_rounds=2)
+    try:
+        train(model, dist, [torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([2])])
+        assert dist.tables.export("table").ids.tolist() == [2]  # 1 was idle for 2 rounds
+        assert sparse_metric(shards, "evicted_ttl_total") == 1
+    finally:
+        dist.close()
+    reset(shards)
+    model, dist = attach(shards, capacity=1)
+    try:
+        ids = torch.arange(100)
+        one_shard = ids[shard_of("table", ids, 2) == 0][:3]  # capacity is per shard: use one shard's ids
+        train(model, dist, [one_shard[:1], one_shard[1:2], one_shard[2:3]])
+        assert dist.tables.export("table").ids.tolist() == [int(one_shard[2])]  # least recently pushed go first
+        assert sparse_metric(shards, "evicted_capacity_total") == 2
+        assert sparse_metric(shards, "rows") == 1
+    finally:
+        dist.close()
+
+
+def test_a_killed_shard_resumes_rows_and_optimizer_state_bit_exact_from_its_checkpoint(shards):
+    reset(shards)
+    model, dist = attach(shards, kind="adam", num_embeddings=64, lr=0.05)
+    try:
+        g = torch.Generator().manual_seed(0)
+        train(model, dist, [torch.randint(0, 64, (16,), generator=g) for _ in range(5)])
+        for address in shards.addresses:
+            client = ShardClient(address, index=0)
+            try:
+                client.checkpoint()
+            finally:
+                client.close()
+        before = dist.tables.export("table")
+        shards.restart(0, same_port=True)  # SIGKILL, then a new process on the same directory
+        client = ShardClient(shards.addresses[0], index=0)
+        try:
+            restored = client.export_rows("table", state=True)
+        finally:
+            client.close()
+        after = dist.tables.export("table")
+        assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(before.state[name], after.state[name]), name
+        assert before.steps == after.steps and restored.round == before.round
+        train(model, dist, [torch.tensor([1, 2, 3])])  # the worker joins the restarted shard again and goes on
+        assert dist.tables.export("table").round == before.round + 1
+    finally:
+        dist.close()
+
+
+def test_an_exported_bounded_table_loads_into_a_plain_embedding_bag_with_the_same_outputs(shards):
+    reset(shards)
+    bag = ShardedEmbeddingBag(20, 4, mode="mean", name="table")
+
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.dense = bag, nn.Linear(4, 1)
+
+        def forward(self, ids):
+            return self.dense(self.bag(ids)).sum()
+
+    model = Bags()
+    dist = DistributedOptimizer(torch.optim.SGD(model.dense.parameters(), lr=0.0), model.named_parameters(),
+                                servers=shards.servers, model=model, worker_id="w0",
+                                sparse_optimizer=torch.optim.Adagrad([bag.handle], lr=0.5))
+    try:
+        train(model, dist, [torch.randint(0, 20, (5, 3)) for _ in range(4)])
+        weight = dist.tables.export("table").weight()
+        ids = torch.randint(0, 20, (6, 3))
+        with torch.no_grad():
+            got = bag(ids)
+    finally:
+        dist.close()
+    plain = nn.EmbeddingBag(20, 4, mode="mean")
+    plain.load_state_dict({"weight": weight})
+    assert torch.equal(plain(ids), got)
