@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -209,8 +210,14 @@ def _check_apps_extra() -> None:
                          "pip install 'shardps[apps]' (from a clone: pip install -e \".[apps]\")")
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a launcher, ``timeout``, Kubernetes) ends the command like Ctrl-C: the shards it started stop."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def _train_digits(args: argparse.Namespace) -> int:
     _check_apps_extra()
+    _stop_on_sigterm()
     from shardps.apps.digits import DigitsConfig, run
 
     if args.worker_index is not None:
@@ -235,6 +242,7 @@ def _train_digits(args: argparse.Namespace) -> int:
 
 def _train_movielens(args: argparse.Namespace) -> int:
     _check_apps_extra()
+    _stop_on_sigterm()
     from shardps.apps.movielens import MovieLensConfig, run
 
     config = MovieLensConfig(data_dir=args.data_dir, workers=args.workers, shards=args.shards, servers=args.servers,

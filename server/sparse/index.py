@@ -14,7 +14,7 @@ import torch
 from shardps.common.rows import mix
 
 _EMPTY, _USED, _TOMB = 0, 1, 2
-_WINDOW = 8  # entries looked at per probe pass
+_WINDOW = 32  # entries looked at per probe pass
 
 
 class IdIndex:

@@ -7,32 +7,20 @@ read both over HTTP (as Prometheus does) and from the registry itself.
 
 from __future__ import annotations
 
-import urllib.request
 
 import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from shardps.worker.session.client import ShardClient
 from shardps.worker.config import ObservabilityOptions
 from shardps.worker.optimizer import DistributedOptimizer
+from tests.support.prom import scrape, value
 from tests.support.raw import raw_call
 
 STEPS = 6
 BATCH = 8
-
-
-def scrape(address: str) -> dict[tuple[str, frozenset], float]:
-    """``{(sample name, labels): value}`` of the endpoint ``host:port`` (``/metrics``, text format)."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return samples[(name, frozenset({k: str(v) for k, v in labels.items()}.items()))]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-100k"
 
 
@@ -22,6 +24,7 @@ def shardps(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_short_movielens_job_reaches_the_bound_on_u1_test(tmp_path):
     assert (DATA / "u1.base").is_file(), f"MovieLens-100K is expected at {DATA}"
     report = tmp_path / "report.json"

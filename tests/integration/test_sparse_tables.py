@@ -243,3 +243,21 @@ def test_an_exported_bounded_table_loads_into_a_plain_embedding_bag_with_the_sam
     plain = nn.EmbeddingBag(20, 4, mode="mean")
     plain.load_state_dict({"weight": weight})
     assert torch.equal(plain(ids), got)
+
+
+def test_a_round_past_a_tables_memory_limit_is_refused_loudly_and_changes_nothing(shards):
+    reset(shards)
+    model, dist = attach(shards, max_bytes=2000)  # about 36 rows of 4 values on each shard
+    try:
+        train(model, dist, [torch.arange(10)])
+        before = dist.tables.export("table")
+        dist.zero_grad()
+        model(torch.arange(100, 300)).backward()
+        dist.step()  # staged; the shards refuse the round when they apply it
+        with pytest.raises(ShardRpcError, match="RESOURCE_EXHAUSTED.*table 'table' would need"):
+            model(torch.arange(10))  # the next pull says why
+        after = dist.tables.export("table")
+        assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
+        assert before.round == after.round
+    finally:
+        dist.close()

@@ -16,12 +16,10 @@ import asyncio
 import os
 import threading
 import time
-import urllib.request
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
@@ -29,6 +27,7 @@ from shardps.common.codec import decode_frame, encode_round
 from shardps.server.streams import peer_host
 from shardps.worker.session.client import ShardClient
 from tests.support.procs import wait_until
+from tests.support.prom import scrape
 from tests.support.raw import SERVING, RawWorker, health_status, plan_and_spec, raw_call, snapshot
 
 PATH = "/shardps.v1.Shard/"
@@ -48,19 +47,12 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def metrics(address: str) -> dict[tuple[str, frozenset], float]:
-    """``{(sample name, labels): value}`` of the shard's Prometheus endpoint ``host:port``."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def refused(address: str, reason: str) -> float:
-    return metrics(address)[("shardps_shard_streams_refused_total", frozenset({"shard": "0", "reason": reason}.items()))]
+    return scrape(address)[("shardps_shard_streams_refused_total", frozenset({"shard": "0", "reason": reason}.items()))]
 
 
 def open_streams(address: str) -> float:
-    return metrics(address)[("shardps_shard_open_streams", frozenset({"shard": "0"}.items()))]
+    return scrape(address)[("shardps_shard_open_streams", frozenset({"shard": "0"}.items()))]
 
 
 class Watch(threading.Thread):
