@@ -15,7 +15,7 @@ runs out, stops being waited for; a member that joins is waited for from
 its first push on (after its Declare). A pull with ``after_push`` waits
 until the caller's last push is applied, so a worker's next forward reads
 the rows its last step updated. A round refused (a memory limit) changes
-nothing; the pulls of its members fail with the reason once.
+nothing; the next pull or push of each of its members fails with the reason (once).
 
 Every method runs on the shard's event loop; reads and updates of rows run
 on the store's compute thread, one at a time (``store.run``).
@@ -139,6 +139,7 @@ class SparseTables:
         Raises:
             FailedPrecondition: not a table member.
             DeadlineExceeded: the previous push's round was not applied in time.
+            ShardError: the round of the member's previous push was refused (its reason, once).
             InvalidArgument: an unknown table, ids of another shard or out of range, repeated ids, a
                 gradient of the wrong size or not finite, a bad learning rate. Nothing is staged.
         """
@@ -160,6 +161,8 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if request.push == self.members[w]:
                 return pb.PushRowsReply(round=self.round)
+        if request.worker_id in self.failed:  # its last round was refused: say so before taking another push
+            raise self.failed.pop(request.worker_id)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         for part in request.tables:
             table = self._table(part.table)
@@ -185,7 +188,6 @@ class SparseTables:
                                       "finite and >= 0")
             tables[part.table] = (ids, grads, part.lr)
         self.members[request.worker_id] = request.push
-        self.failed.pop(request.worker_id, None)
         self.staged[request.worker_id] = _Push(request.push, tables)
         self.maybe_apply()
         return pb.PushRowsReply(round=self.round)
