@@ -274,7 +274,7 @@ class DistributedOptimizer(RoundSteps, JobView):
             self._job_id = joined.job_id
             self._announce_join(joined.initialised)
             self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model,
-                                        self._rejoin_shard) if sparse_optimizer is not None else None
+                                        self._rejoin_shard, wire.max_message_bytes) if sparse_optimizer else None
             self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
                                         lease_seconds=joined.lease_seconds, on_wait=observability.on_wait)
         except BaseException:

@@ -102,6 +102,10 @@ class RowTable:
         return out
 
     # ------------------------------------------------------------ a round
+    def row_cost(self) -> int:
+        """Bytes one more row may cost at most: weights and state, its last-pushed round, its index entries."""
+        return self.spec.row_bytes() + 4 + 35
+
     def check_room(self, ids: torch.Tensor) -> torch.Tensor:
         """Refuse a round that would take the table past ``max_bytes`` (nothing changed); returns the slot of
         each id (-1: not a row), for :meth:`apply`.
@@ -111,8 +115,7 @@ class RowTable:
         """
         slots = self.index.find(ids)
         new = int((slots < 0).sum())
-        per_row = self.spec.row_bytes() + 4 + 35
-        need = (self.rows + new) * per_row
+        need = (self.rows + new) * self.row_cost()
         if self.max_bytes and need > self.max_bytes:
             raise ResourceExhausted(
                 f"table {self.spec.name!r} would need about {need} bytes on this shard for {self.rows + new} rows "

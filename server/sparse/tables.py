@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,10 +35,18 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of
 from shardps.server.checks import shown
-from shardps.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ShardError
+from shardps.server.errors import (
+    DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
+)
 from shardps.server.sparse.table import COUNTERS, RowTable
 
 log = logging.getLogger(__name__)
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc/self/statm``), bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
 
 #: Tables one job may declare (metric labels stay bounded).
 MAX_TABLES = 64
@@ -237,9 +246,10 @@ class SparseTables:
             self.maybe_apply()
 
     def _update(self, pushes: list[_Push], number: int) -> None:
-        """Average and apply one round (compute thread). Checks every table's room before changing any."""
+        """Average and apply one round (compute thread). Checks every table's room, and the shard's memory
+        budget for the round's new rows, before changing any."""
         started = time.perf_counter()
-        merged = {}
+        merged, growth = {}, 0
         for name, table in self.tables.items():
             parts = [p.tables[name] for p in pushes if name in p.tables]
             if not parts:
@@ -249,7 +259,15 @@ class SparseTables:
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(0, inverse, grads)
             sightings = torch.bincount(inverse, minlength=unique.numel())
-            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2], table.check_room(unique))
+            slots = table.check_room(unique)
+            growth += int((slots < 0).sum()) * table.row_cost()
+            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2], slots)
+        budget = self.store.config.memory_budget_bytes
+        if growth and resident_bytes() + growth > budget:
+            raise ResourceExhausted(
+                f"the round's new rows need about {growth} bytes more and the shard holds {resident_bytes()} bytes "
+                f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
+                "ttl_rounds on the tables so rows are evicted")
         for name, (ids, grad, sightings, lr, slots) in merged.items():
             self.tables[name].apply(ids, grad, sightings, lr, number, slots)
         self.rounds_seconds += time.perf_counter() - started

@@ -10,7 +10,7 @@ from torch import nn
 
 from shardps.common.rows import ids_bytes, initial_rows, rows_bytes, shard_of
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag
+from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, WireOptions
 from shardps.worker.session.client import ShardClient, ShardRpcError
 from tests.support.forked import ForkedCluster
 from tests.support.prom import scrape, value
@@ -28,14 +28,15 @@ class Tables(nn.Module):
         return self.dense(self.table(ids).sum(-1, keepdim=True)).sum()
 
 
-def attach(cluster, worker_id="w0", lr=0.1, kind="sgd", **table):
+def attach(cluster, worker_id="w0", lr=0.1, kind="sgd", wire=None, **table):
     table.setdefault("num_embeddings", None)
     table.setdefault("embedding_dim", 4)
     model = Tables(**table)
     sparse = {"sgd": lambda h: torch.optim.SGD(h, lr=lr), "adagrad": lambda h: torch.optim.Adagrad(h, lr=lr),
               "adam": lambda h: torch.optim.SparseAdam(h, lr=lr)}[kind]([model.table.handle])
     dist = DistributedOptimizer(torch.optim.SGD(model.dense.parameters(), lr=0.0), model.named_parameters(),
-                                servers=cluster.servers, model=model, worker_id=worker_id, sparse_optimizer=sparse)
+                                servers=cluster.servers, model=model, worker_id=worker_id, sparse_optimizer=sparse,
+                                wire=wire or WireOptions())
     return model, dist
 
 
@@ -259,5 +260,36 @@ def test_a_round_past_a_tables_memory_limit_is_refused_loudly_and_changes_nothin
         after = dist.tables.export("table")
         assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
         assert before.round == after.round
+    finally:
+        dist.close()
+
+
+def test_new_rows_past_the_shards_memory_budget_are_refused_loudly():
+    budget = 600 << 20  # the shard starts near 330 MiB resident; each round below adds about 33 MiB of rows
+    args = ("--memory-budget-bytes", str(budget), "--max-message-bytes", str(64 << 20))
+    with ForkedCluster(1, extra_args=args) as cluster:
+        model, dist = attach(cluster, embedding_dim=1024, lr=0.0, wire=WireOptions(max_message_bytes=64 << 20))
+        try:
+            with pytest.raises(ShardRpcError, match="RESOURCE_EXHAUSTED.*memory budget of 629145600 bytes"):
+                for r in range(30):
+                    train(model, dist, [torch.arange(r * 8000, (r + 1) * 8000)])
+            rows = dist.tables.export("table").ids.numel()
+            assert 0 < rows < 30 * 8000 and rows % 8000 == 0  # whole rounds only
+        finally:
+            dist.close()
+
+
+def test_pulls_are_split_under_the_message_limit_and_an_oversized_push_is_refused_before_sending(shards):
+    reset(shards)
+    model, dist = attach(shards, embedding_dim=1024)  # 5,000 rows of 4 KiB: 2 x 10 MB, over the 8 MiB limit
+    try:
+        ids = torch.arange(5000)
+        with torch.no_grad():
+            rows = model.table(ids)
+        assert torch.equal(rows, initial_rows("table", ids, 1024, 0, 1024 ** -0.5))
+        dist.zero_grad()
+        model(ids).backward()
+        with pytest.raises(ValueError, match="over the message limit of 8388608 bytes.*nothing was pushed"):
+            dist.step()
     finally:
         dist.close()

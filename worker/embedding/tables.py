@@ -132,6 +132,7 @@ class SparseTables:
         worker_id, session: this worker's membership (it has joined every shard).
         optimizer: the sparse optimizer; model: names tables without one (may be None).
         rejoin: joins shard ``i`` again (the DistributedOptimizer's recovery) when it forgot this worker.
+        max_message_bytes: the gRPC message limit: pulls are split to stay under half of it.
 
     Raises:
         ValueError: see :func:`table_specs`.
@@ -139,8 +140,9 @@ class SparseTables:
     """
 
     def __init__(self, clients: list[ShardClient], worker_id: str, session: str, optimizer: torch.optim.Optimizer,
-                 model: torch.nn.Module | None, rejoin) -> None:
+                 model: torch.nn.Module | None, rejoin, max_message_bytes: int) -> None:
         self._clients, self.worker_id, self.session, self._rejoin = clients, worker_id, session, rejoin
+        self._max_message_bytes = max_message_bytes
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
@@ -184,14 +186,19 @@ class SparseTables:
 
         def one(part):
             s, idx = part
-            request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, table=name,
-                                         ids=ids_bytes(ids[idx]), after_push=True)
-            reply = self._call(s, lambda c: c.pull_rows(request))
-            return idx, rows_from(reply.rows, idx.numel(), dim), len(reply.rows)
+            got = []
+            for piece in idx.split(per_call):  # replies stay within the message limit
+                request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, table=name,
+                                             ids=ids_bytes(ids[piece]), after_push=True)
+                reply = self._call(s, lambda c: c.pull_rows(request))
+                got.append((piece, rows_from(reply.rows, piece.numel(), dim), len(reply.rows)))
+            return got
 
-        for idx, rows, size in self._pool.map(one, [p for p in parts if p[1].numel()]):
-            out[idx] = rows
-            self.pulled_bytes += size
+        per_call = max(1, (self._max_message_bytes // 2) // (4 * dim + 8))
+        for got in self._pool.map(one, [p for p in parts if p[1].numel()]):
+            for idx, rows, size in got:
+                out[idx] = rows
+                self.pulled_bytes += size
         return out
 
     def zero_grad(self) -> None:
@@ -231,7 +238,12 @@ class SparseTables:
         self._push += 1
         requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push,
                                        tables=parts[s]) for s in range(num_shards)]
-        self.pushed_bytes += sum(r.ByteSize() for r in requests)
+        sizes = [r.ByteSize() for r in requests]
+        if max(sizes) > self._max_message_bytes - 1024:
+            raise ValueError(f"this step's rows for shard {sizes.index(max(sizes))} take {max(sizes)} bytes, over the "
+                             f"message limit of {self._max_message_bytes} bytes: raise WireOptions(max_message_bytes=) "
+                             "(and the shards' --max-message-bytes), or use smaller batches; nothing was pushed")
+        self.pushed_bytes += sum(sizes)
         list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(num_shards)))
 
     def export(self, name: str) -> "TableExport":
