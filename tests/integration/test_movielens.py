@@ -1,7 +1,7 @@
 """``shardps train movielens``: the real command, two worker processes and two shards, on MovieLens-100K.
 
-The data is read from ``../shared/data/ml-100k`` next to the repository (never copied; its licence
-forbids redistribution). The full job (25 epochs) reaches a test RMSE of about 0.914; this test runs
+The data is read in place from ``shared/data/ml-100k`` in the folder that holds this checkout, or
+from ``$SHARDPS_MOVIELENS_DIR`` (never copied: its licence forbids redistribution). The full job (25 epochs) reaches a test RMSE of about 0.914; this test runs
 10 epochs, which reach 0.916-0.918 over seeds 0-2 (the same model in one process), and asserts <= 0.93:
 above the 0.9214-0.9245 of plain MF with a uniform L2 term, so a broken admission, averaging or
 optimizer shows, and far below the 0.954 of biases alone and the 1.154 of the global mean.
@@ -10,13 +10,15 @@ optimizer shows, and far below the 0.954 of biases alone and the 1.154 of the gl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-100k"
+DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or
+            Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-100k")
 
 
 def shardps(*args: str, timeout: float) -> subprocess.CompletedProcess:
