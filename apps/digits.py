@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
+from shardps.apps.processes import run_workers
 from shardps.common.security import ChannelSecurity
 
 log = logging.getLogger(__name__)
@@ -381,14 +381,8 @@ def run(config: DigitsConfig) -> dict:
             for i, address in enumerate(embedded.metrics_addresses):
                 print(f"shard {i} metrics on {address}", flush=True)
         try:
-            mp.start_processes(
-                _worker, args=(replace(config, servers=tuple(servers)), result_path), nprocs=config.workers * config.local_ranks,
-                join=True, start_method="spawn",
-            )
-        except mp.ProcessRaisedException as exc:
-            raise RuntimeError(f"a digits worker failed:\n{exc}") from None
-        except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"a digits worker died: {exc}") from None
+            run_workers(_worker, (replace(config, servers=tuple(servers)), result_path),
+                        config.workers * config.local_ranks, "digits")
         finally:
             if embedded is not None:
                 embedded.stop()

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
+from shardps.apps.processes import run_workers
 from shardps.worker import DistributedOptimizer, ShardedEmbedding
 
 #: SHA-256 of the files of the standard split this job reads.
@@ -241,12 +241,7 @@ def run(config: MovieLensConfig) -> dict:
                                                             extra_args=("--threads", "1")).start()
         servers = tuple(config.servers) or tuple(embedded.addresses)
         try:
-            mp.start_processes(_worker, args=(replace(config, servers=servers), result_path), nprocs=config.workers,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException as exc:
-            raise RuntimeError(f"a movielens worker failed:\n{exc}") from None
-        except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"a movielens worker died: {exc}") from None
+            run_workers(_worker, (replace(config, servers=servers), result_path), config.workers, "movielens")
         finally:
             if embedded is not None:
                 embedded.stop()

@@ -518,15 +518,19 @@ class PushRowsReply(_message.Message):
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "state")
+    __slots__ = ("table", "state", "offset", "max_rows")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     table: str
     state: bool
-    def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ...) -> None: ...
+    offset: int
+    max_rows: int
+    def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
 
 class ExportRowsReply(_message.Message):
-    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step")
+    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step", "total_rows")
     class StateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -548,6 +552,7 @@ class ExportRowsReply(_message.Message):
     STATE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     ids: bytes
     weights: bytes
@@ -555,4 +560,5 @@ class ExportRowsReply(_message.Message):
     state_width: _containers.ScalarMap[str, int]
     round: int
     step: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    total_rows: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...

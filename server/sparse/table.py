@@ -205,10 +205,11 @@ class RowTable:
         self.counts[why] += ids.numel()
 
     # ------------------------------------------------------------ export and checkpoints
-    def export(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(ids int64 [n], weights float32 [n, dim], {state name: float32 [n, width]})``, ids sorted."""
+    def export(self, offset: int = 0, max_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(ids int64 [n], weights float32 [n, dim], {state name: float32 [n, width]})`` in id order: rows
+        ``[offset, offset + max_rows)`` of them (``max_rows`` 0: all); only those rows are copied."""
         ids, slots = self.index.items()
-        order = torch.argsort(ids)
+        order = torch.argsort(ids)[offset: offset + max_rows if max_rows else None]
         ids, slots = ids[order], slots[order]
         return ids, self.weights[slots].clone(), {name: t[slots].clone() for name, t in self.state.items()}
 

@@ -312,16 +312,18 @@ class SparseTables:
 
     # ------------------------------------------------------------ export, checkpoints, metrics
     async def export(self, request: pb.ExportRowsRequest) -> pb.ExportRowsReply:
-        """Every row of ``request.table`` on this shard (ids sorted), with its optimizer state if asked.
+        """The rows of ``request.table`` on this shard in id order (a page: ``offset``, ``max_rows``), with their
+        optimizer state if asked.
 
         Raises:
             FailedPrecondition: an unknown table.
         """
         table = self._table(request.table)
         await self._settled()
-        ids, weights, state = await self.store.run(table.export)
+        ids, weights, state = await self.store.run(table.export, request.offset, request.max_rows)
+        total = table.rows
         reply = pb.ExportRowsReply(spec=table.spec.to_proto(), ids=ids_bytes(ids), weights=rows_bytes(weights),
-                                   round=self.round, step=table.step)
+                                   round=self.round, step=table.step, total_rows=total)
         if request.state:
             for name, t in state.items():
                 reply.state[name] = rows_bytes(t)

@@ -293,3 +293,19 @@ def test_pulls_are_split_under_the_message_limit_and_an_oversized_push_is_refuse
             dist.step()
     finally:
         dist.close()
+
+
+def test_a_table_larger_than_one_message_exports_in_pages(shards):
+    reset(shards)
+    model, dist = attach(shards, kind="adagrad", embedding_dim=1024)  # about 12 MB of rows and state per shard
+    try:
+        ids = torch.arange(3000)
+        train(model, dist, [ids])
+        export = dist.tables.export("table")
+        with torch.no_grad():
+            pulled = model.table(ids)
+    finally:
+        dist.close()
+    assert export.ids.tolist() == ids.tolist()
+    assert torch.equal(export.weights, pulled) and export.state["sum"].shape == (3000, 1024)
+    assert bool((export.state["sum"] > 0).any())

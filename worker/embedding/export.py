@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shardps.common.rows import TableSpec, ids_from, initial_rows, rows_from
+from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["TableExport", "export_table"]
 
@@ -60,13 +61,29 @@ class TableExport:
         return self.lookup(torch.arange(self.spec.num_embeddings))
 
 
-def export_table(clients, name: str) -> TableExport:
-    """Read table ``name`` from every shard (``clients``: ``ShardClient`` per shard) and merge the rows.
+def _pages(client, name: str, max_message_bytes: int) -> list:
+    """Every page of ``name``'s rows on one shard, each reply under half the message limit."""
+    pages = [client.export_rows(name, state=True, max_rows=1)]  # the spec, so the row size, comes with it
+    per_page = max(1, (max_message_bytes // 2) // (8 + TableSpec.from_proto(pages[0].spec).row_bytes()))
+    offset = len(pages[0].ids) // 8
+    while offset < pages[-1].total_rows:
+        pages.append(client.export_rows(name, state=True, offset=offset, max_rows=per_page))
+        if not pages[-1].ids:  # rows were evicted meanwhile
+            break
+        offset += len(pages[-1].ids) // 8
+    return pages
+
+
+def export_table(clients, name: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> TableExport:
+    """Read table ``name`` from every shard (``clients``: ``ShardClient`` per shard), a page of at most half
+    ``max_message_bytes`` per call, and merge the rows. Read between steps: a page is a consistent read, the
+    pages of a table being trained meanwhile are not.
 
     Raises:
         ShardRpcError: a shard does not hold the table (FAILED_PRECONDITION) or did not answer.
     """
-    replies = [c.export_rows(name, state=True) for c in clients]
+    shards = [_pages(c, name, max_message_bytes) for c in clients]
+    replies = [page for pages in shards for page in pages]
     spec = TableSpec.from_proto(replies[0].spec)
     ids, weights, state = [], [], {}
     for r in replies:
@@ -79,4 +96,4 @@ def export_table(clients, name: str) -> TableExport:
     order = torch.argsort(all_ids)
     return TableExport(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
                        state={k: torch.cat(v)[order] for k, v in state.items()},
-                       round=min(r.round for r in replies), steps=[r.step for r in replies])
+                       round=min(r.round for r in replies), steps=[pages[0].step for pages in shards])

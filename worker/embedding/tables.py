@@ -248,7 +248,7 @@ class SparseTables:
 
     def export(self, name: str) -> "TableExport":
         """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``)."""
-        return export_table(self._clients, name)
+        return export_table(self._clients, name, self._max_message_bytes)
 
     def close(self) -> None:
         for module, _, _ in self.tables.values():

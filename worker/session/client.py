@@ -166,10 +166,12 @@ class ShardClient:
         """One step's row gradients; retried (a retry carries the same push number and is counted once)."""
         return self._unary("push_rows", self.stub.PushRows, request, repeatable=True)
 
-    def export_rows(self, table: str, state: bool = False, timeout: float | None = None) -> pb.ExportRowsReply:
-        """Every row of ``table`` on this shard (with optimizer state if ``state``); read-only, retried."""
-        return self._unary("export_rows", self.stub.ExportRows, pb.ExportRowsRequest(table=table, state=state),
-                           timeout, repeatable=True)
+    def export_rows(self, table: str, state: bool = False, timeout: float | None = None, offset: int = 0,
+                    max_rows: int = 0) -> pb.ExportRowsReply:
+        """Rows ``[offset, offset + max_rows)`` (0: all) of ``table`` on this shard in id order, with optimizer
+        state if ``state``; read-only, retried."""
+        request = pb.ExportRowsRequest(table=table, state=state, offset=offset, max_rows=max_rows)
+        return self._unary("export_rows", self.stub.ExportRows, request, timeout, repeatable=True)
 
     def close(self) -> None:
         """Close the channel (calls still running on it fail with CANCELLED)."""
