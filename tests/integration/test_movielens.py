@@ -52,3 +52,55 @@ def test_files_that_are_not_movielens_are_refused_by_checksum(tmp_path):
     done = shardps("train", "movielens", "--data-dir", str(tmp_path), timeout=120)
     assert done.returncode == 1
     assert "SHA-256" in done.stderr and "not MovieLens-100K's" in done.stderr
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """``{pid: command line}`` of every process below ``pid`` (Linux /proc)."""
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for c in children:
+                try:
+                    found[c] = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_job_its_workers_and_the_shards_it_started():
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "train", "movielens", "--data-dir", str(DATA),
+                             "--epochs", "50", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline, shards = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and (len(shards) < 2 or len(_descendants(proc.pid)) < 4):
+            shards = {p: c for p, c in _descendants(proc.pid).items() if "shardps.cli.server" in c}
+            time.sleep(0.2)
+        assert len(shards) == 2, _descendants(proc.pid)
+        started = _descendants(proc.pid)  # the shards, the two workers, multiprocessing's helpers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.2)
+        left = {p: c for p, c in started.items() if _alive(p)}
+        assert not left, f"processes outlived the job: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
