@@ -29,6 +29,7 @@ _WHERE = {
     "LocalCluster": "shardps.worker.cluster",
     "ShardedEmbedding": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBag": "shardps.worker.embedding.modules",
+    "ShardedEmbeddingBagCollection": "shardps.worker.embedding.collection",
     "RowWiseAdagrad": "shardps.worker.embedding.tables",
     "TableExport": "shardps.worker.embedding.export",
     "ShardRpcError": "shardps.worker.session.client",

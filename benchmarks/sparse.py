@@ -18,14 +18,16 @@ Model (DLRM, Naumov et al. 2019, smaller): bottom MLP 13 -> 64 -> 16 (ReLU);
 26 embedding bags of dim 16 (``mode="sum"``, one id per bag); the dot
 products of the 27 vectors (351) next to the bottom output -> top MLP 367
 -> 128 -> 64 -> 1; ``BCEWithLogitsLoss``. Optimizers: Adam (lr 1e-3) for
-the MLPs, Adagrad (lr 0.05) for the tables. One torch thread per worker
-process; shards run with ``--threads 1`` (2 cores are shared by up to 8
-processes).
+the MLPs, Adagrad (lr 0.05) for the tables. Each worker process runs
+``cores // workers`` torch threads (at least 1: in sync mode a worker
+computes while the shards wait, and the other way round); shards run
+with ``--threads 1`` (2 cores are shared by up to 8 processes).
 
 Systems:
 - ``shardps`` (the grid, ``--grid`` ``SxW``: S shards, W workers, default 1,
-  2, 4 of each): the 26 tables are hashed ``ShardedEmbeddingBag`` s
-  (``num_embeddings=None``: any int64 id, rows made when first trained), their
+  2, 4 of each): the 26 tables are hashed ``ShardedEmbeddingBag`` s in one
+  ``ShardedEmbeddingBagCollection`` (one pull per shard and step for all of
+  them; ``num_embeddings=None``: any int64 id, rows made when first trained), their
   rows and Adagrad state on the shards; the MLPs are dense parameters of the
   same ``DistributedOptimizer`` (sync). Every worker is its own spawned process.
 - ``oracle``: the same model in one process, no shardps: ``nn.EmbeddingBag(N,
@@ -165,7 +167,10 @@ class DLRM(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.bottom = _mlp([DENSE_FEATURES, *BOTTOM, DIM], last_relu=True)
-        self.tables = nn.ModuleList(tables)
+        if isinstance(tables, nn.Module):  # a ShardedEmbeddingBagCollection: one pull per shard for all tables
+            self.tables, self.collection = tables, True
+        else:
+            self.tables, self.collection = nn.ModuleList(tables), False
         n = FEATURES + 1
         iu = torch.triu_indices(n, n, offset=1)
         self.register_buffer("iu", iu, persistent=False)
@@ -173,7 +178,12 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)
-        z = torch.stack([x, *(t(ids[f].view(-1, 1)) for f, t in enumerate(self.tables))], dim=1)  # [B, 27, DIM]
+        if self.collection:
+            out = self.tables({str(f): ids[f].view(-1, 1) for f in range(ids.shape[0])})
+            looked_up = [out[str(f)] for f in range(ids.shape[0])]
+        else:
+            looked_up = [t(ids[f].view(-1, 1)) for f, t in enumerate(self.tables)]
+        z = torch.stack([x, *looked_up], dim=1)  # [B, 27, DIM]
         inter = torch.bmm(z, z.transpose(1, 2))[:, self.iu[0], self.iu[1]]
         return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
 
@@ -182,9 +192,10 @@ def make_model(kind: str, num_ids: int) -> DLRM:
     """``kind``: ``sharded`` (hashed ShardedEmbeddingBag), ``oracle`` (sparse nn.EmbeddingBag of ``num_ids``
     rows), ``dense`` (nn.EmbeddingBag of ``num_ids`` rows, dense gradients)."""
     if kind == "sharded":
-        from shardps.worker import ShardedEmbeddingBag
+        from shardps.worker import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
-        tables = [ShardedEmbeddingBag(None, DIM, mode="sum") for _ in range(FEATURES)]
+        tables = ShardedEmbeddingBagCollection({str(f): ShardedEmbeddingBag(None, DIM, mode="sum")
+                                                for f in range(FEATURES)})
     else:
         tables = [nn.EmbeddingBag(num_ids, DIM, mode="sum", sparse=kind == "oracle") for _ in range(FEATURES)]
     return DLRM(tables)
@@ -222,7 +233,7 @@ def _dense_bytes(dist) -> float:
 
 def _worker(rank: int, cfg: dict, servers: str, out_dir: str) -> None:
     """One shardps worker: ``cfg['warmup'] + cfg['steps']`` steps; its figures to ``out_dir/<rank>.json``."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg["threads"])
     from shardps.worker import DistributedOptimizer
 
     kind, workers, n, per = cfg["kind"], cfg["workers"], cfg["ids"], cfg["batch"]
@@ -230,7 +241,7 @@ def _worker(rank: int, cfg: dict, servers: str, out_dir: str) -> None:
     began = time.perf_counter()
     model = make_model(kind, n)
     if kind == "sharded":
-        tables = [m.handle for m in model.tables]
+        tables = [m.handle for m in model.tables.bags.values()]
         dense = torch.optim.Adam([p for name, p in model.named_parameters() if not name.startswith("tables.")],
                                  lr=LR_DENSE)
         sparse = torch.optim.Adagrad(tables, lr=LR_SPARSE)
@@ -349,7 +360,8 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int) -> dic
     from shardps.worker import LocalCluster
 
     cfg = {"kind": kind, "workers": workers, "ids": num_ids, "batch": args.batch_size, "zipf": args.zipf,
-           "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps}
+           "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps,
+           "threads": max(1, (os.cpu_count() or 1) // workers)}
     with tempfile.TemporaryDirectory() as out, \
             LocalCluster(shards, min_workers=workers, extra_args=("--metrics-port", "0", "--threads", "1")) as cluster:
         cfg["shard_pids"] = [proc.pid for proc in cluster.processes]
@@ -361,7 +373,8 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int) -> dic
             raise RuntimeError(f"{exc}\n{logs}") from exc
         rows = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(workers)]
         held = [_scrape(e["metrics"]) for e in cluster.endpoints] if kind == "sharded" else []
-    res = {"shards": shards, "workers": workers, "ids_per_feature": num_ids, **_summary(cfg, rows)}
+    res = {"shards": shards, "workers": workers, "ids_per_feature": num_ids, "worker_threads": cfg["threads"],
+           **_summary(cfg, rows)}
     if held:
         res["shard_rows"] = int(sum(h["rows"] for h in held))
         res["shard_bytes"] = int(sum(h["bytes"] for h in held))

@@ -465,27 +465,39 @@ class DeclareTablesReply(_message.Message):
     round: int
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
 class PullRowsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "table", "ids", "after_push")
+    __slots__ = ("worker_id", "session", "table", "ids", "after_push", "tables")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_PUSH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     table: str
     ids: bytes
     after_push: bool
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., after_push: _Optional[bool] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., after_push: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
 
 class PullRowsReply(_message.Message):
-    __slots__ = ("rows", "round")
+    __slots__ = ("rows", "round", "parts")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     round: int
-    def __init__(self, rows: _Optional[bytes] = ..., round: _Optional[int] = ...) -> None: ...
+    parts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, rows: _Optional[bytes] = ..., round: _Optional[int] = ..., parts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TableRows(_message.Message):
     __slots__ = ("table", "ids", "grads", "lr")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["ConsistencyOptions", "DistributedOptimizer", "LocalCluster", "ObservabilityOptions", "RowWiseAdagrad",
-           "ShardedEmbedding", "ShardedEmbeddingBag", "WireOptions"]
+           "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedEmbeddingBagCollection", "WireOptions"]
 _WHERE = {
     "DistributedOptimizer": "shardps.worker.optimizer",
     "ConsistencyOptions": "shardps.worker.config",
@@ -18,6 +18,7 @@ _WHERE = {
     "LocalCluster": "shardps.worker.cluster",
     "ShardedEmbedding": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBag": "shardps.worker.embedding.modules",
+    "ShardedEmbeddingBagCollection": "shardps.worker.embedding.collection",
     "RowWiseAdagrad": "shardps.worker.embedding.tables",
 }
 

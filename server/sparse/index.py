@@ -1,10 +1,25 @@
-"""``IdIndex``: int64 id -> int64 slot, an open-addressing hash map in tensors, looked up a batch at a time.
+"""``IdIndex``: (tag, int64 id) -> slot, an open-addressing hash map in tensors, looked up a batch at a time.
 
-Linear probing over a power-of-two table kept at most 3/4 full (more than 3/8 after growing) (Knuth,
-TAOCP vol. 3, 6.4), with tombstones for removed ids; every operation is a
-few vectorised passes over the batch (one per probe step), so a batch of
-thousands of ids costs microseconds per id and no Python object per id.
-Memory: 13 bytes per table entry (int64 id, int32 slot, state byte), 17 to 35 bytes per id held.
+One index holds the ids of every sparse table of a shard, each table's
+under its own ``tag`` (a small int), so a round or a pull looks up all
+its tables' ids in one batch: the cost is a few dozen tensor operations
+per batch, not per table.
+
+Linear probing over a power-of-two table kept at most 3/4 full (more than
+3/8 after growing) (Knuth, TAOCP vol. 3, 6.4), with tombstones for removed
+ids. Each entry is an int64 id, an int16 tag and an int32 slot, the slot
+doubling as the entry's state (-1 empty, -2 removed): 14 bytes per entry,
+19 to 38 bytes per id held.
+
+A batch is looked up in windows: one pass gathers ``_WINDOW`` consecutive
+entries from each key's home position and decides every key whose window
+holds it or an empty entry (almost all of them); the few left go on, a
+window further, in the next pass. A key held is always before the first
+empty entry of its probe sequence (removal leaves a tombstone, never an
+empty entry) and held at most once, so the hit is the window's only entry
+with its key. Inserting, keys that pick the same free entry take the
+first, second, ... free entries of their window by rank, so a pass
+places almost every key.
 """
 
 from __future__ import annotations
@@ -13,25 +28,34 @@ import torch
 
 from shardps.common.rows import mix
 
-_EMPTY, _USED, _TOMB = 0, 1, 2
-_WINDOW = 32  # entries looked at per probe pass
+_EMPTY, _TOMB = -1, -2
+_WINDOW = 8  # entries looked at per key in the first probe pass
+_WIDE = 64  # and in each later pass (the few keys left, in long clusters)
+_TAG_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads tags over the id bits
+#: Tags an index takes: [0, MAX_TAG].
+MAX_TAG = 2**15 - 1
 
 
 class IdIndex:
-    """A map from unique int64 ids to slots in ``[0, 2**31)`` (see the module docstring). Not thread-safe."""
+    """A map from unique ``(tag, id)`` keys (``tag`` in ``[0, MAX_TAG]``, any int64 ``id``) to slots in
+    ``[0, 2**31)`` (see the module docstring). Not thread-safe.
+
+    ``tags`` arguments are an int (every id of the batch) or an int64 tensor ``[n]``, one per id.
+    """
 
     def __init__(self, capacity: int = 1024) -> None:
-        cap = 1
-        while cap < max(capacity, 16):
+        cap = 16
+        while cap < capacity:
             cap *= 2
         self._alloc(cap)
         self.size = 0
+        self._window, self._wide = torch.arange(_WINDOW), torch.arange(_WIDE)
 
     def _alloc(self, cap: int) -> None:
         self.cap = cap
         self.keys = torch.zeros(cap, dtype=torch.int64)
-        self.slots = torch.zeros(cap, dtype=torch.int32)
-        self.state = torch.zeros(cap, dtype=torch.int8)
+        self.tags = torch.zeros(cap, dtype=torch.int16)
+        self.slots = torch.full((cap,), _EMPTY, dtype=torch.int32)
         self.tombs = 0
 
     def __len__(self) -> int:
@@ -39,91 +63,126 @@ class IdIndex:
 
     def nbytes(self) -> int:
         """Bytes of the index's tensors."""
-        return self.cap * 13
+        return self.cap * 14
 
-    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions of ``ids`` (int64 ``[n]``) in the table and whether each was found.
+    def _home(self, ids: torch.Tensor, tags) -> torch.Tensor:
+        return mix(ids ^ (tags * _TAG_MUL)) & (self.cap - 1)
 
-        Each pass looks at a window of ``_WINDOW`` consecutive entries per id (one gather), so
-        almost every id resolves in the first pass; the few still undecided go on past the window.
-        """
+    def _windows(self, pos: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Table positions of the window starting at each of ``pos`` (int64 ``[n]``): int64 ``[n, window]``."""
+        return (pos[:, None] + window) & (self.cap - 1)
+
+    @staticmethod
+    def _gather(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """``t[at]`` for 2-D ``at`` (a flat ``index_select``: about half the time of advanced indexing)."""
+        return t.index_select(0, at.reshape(-1)).view(at.shape)
+
+    def _locate(self, ids: torch.Tensor, tags) -> torch.Tensor:
+        """The table position of each key (int64 ``[n]``), -1 where absent."""
         n = ids.numel()
+        tags = torch.as_tensor(tags, dtype=torch.int64).expand(n)
         where = torch.full((n,), -1, dtype=torch.int64)
-        active = torch.arange(n)
-        pos = mix(ids) & (self.cap - 1)
-        keys = ids
-        window = torch.arange(_WINDOW)
+        active, keys = None, ids
+        pos, window = self._home(ids, tags), self._window
         for _ in range(self.cap // _WINDOW + 1):
-            if not active.numel():
+            at = self._windows(pos, window)
+            st = self._gather(self.slots, at)
+            hit = (self._gather(self.keys, at) == keys[:, None]) & (self._gather(self.tags, at) == tags[:, None]) & \
+                (st >= 0)
+            found = hit.any(1)
+            place = torch.where(hit, at, 0).sum(1)  # at most one hit per key
+            go = ~found & (st != _EMPTY).all(1)  # neither the key nor an empty entry in the window: look further
+            if active is None:
+                where = torch.where(found, place, -1)
+            else:
+                where[active[found]] = place[found]
+            if not bool(go.any()):
                 break
-            at = (pos[:, None] + window) & (self.cap - 1)
-            st = self.state[at]
-            hit = (st == _USED) & (self.keys[at] == keys[:, None])
-            empty = st == _EMPTY
-            # the first hit or empty entry of each window decides (an empty one ends the probe)
-            decisive = hit | empty
-            first = torch.where(decisive.any(1), decisive.to(torch.int8).argmax(1), _WINDOW)
-            rows = torch.arange(active.numel())
-            found = (first < _WINDOW) & hit[rows, first.clamp(max=_WINDOW - 1)]
-            where[active[found]] = at[rows[found], first[found]]
-            go = first == _WINDOW
-            active, pos, keys = active[go], (pos[go] + _WINDOW) & (self.cap - 1), keys[go]
-        return where, where >= 0
+            idx = go.nonzero().reshape(-1)
+            active = idx if active is None else active[idx]
+            keys, tags, pos = keys[idx], tags[idx], (pos[idx] + window.numel()) & (self.cap - 1)
+            window = self._wide
+        return where
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot of each id (int64 ``[n]``), -1 where absent."""
-        where, found = self._locate(ids)
-        out = torch.full_like(ids, -1)
-        out[found] = self.slots[where[found]].to(torch.int64)
-        return out
-
-    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add ``ids`` (unique, none present) with their ``slots`` (both int64 ``[n]``)."""
+    def find(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
+        """The slot of each key (int64 ``[n]``), -1 where absent."""
         if not ids.numel():
-            return
-        if 4 * (self.size + self.tombs + ids.numel()) > 3 * self.cap:  # at most 3/4 full
-            self._rehash(self.size + ids.numel())
-        pending = torch.arange(ids.numel())
-        pos = mix(ids) & (self.cap - 1)
-        for _ in range(self.cap):
-            if not pending.numel():
-                break
-            free = self.state[pos] != _USED
-            cand, cpos = pending[free], pos[free]
-            self.keys[cpos] = ids[cand]  # duplicates of a position: one write wins, the check below finds it
-            won = self.keys[cpos] == ids[cand]
-            wpos = cpos[won]
-            self.tombs -= int((self.state[wpos] == _TOMB).sum())
-            self.state[wpos] = _USED
-            self.slots[wpos] = slots[cand[won]].to(torch.int32)
-            done = torch.zeros(ids.numel(), dtype=torch.bool)
-            done[cand[won]] = True
-            keep = ~done[pending]
-            pending, pos = pending[keep], (pos[keep] + 1) & (self.cap - 1)
-        self.size += ids.numel()
+            return torch.empty(0, dtype=torch.int64)
+        where = self._locate(ids, tags)
+        return torch.where(where >= 0, self.slots[where.clamp(min=0)].to(torch.int64), -1)
 
-    def remove(self, ids: torch.Tensor) -> torch.Tensor:
-        """Remove the present ``ids``; returns their slots (int64, in ``ids``' order, absent ones left out)."""
-        where, found = self._locate(ids)
-        where = where[found]
-        self.state[where] = _TOMB
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor, tags=0) -> None:
+        """Add keys (unique, none present) with their ``slots`` (int64 ``[n]``)."""
+        n = ids.numel()
+        if not n:
+            return
+        if 4 * (self.size + self.tombs + n) > 3 * self.cap:  # at most 3/4 full
+            self._rehash(self.size + n)
+        tags = torch.as_tensor(tags, dtype=torch.int64).expand(n)
+        pending = torch.arange(n)
+        pos, window = self._home(ids, tags), self._window
+        for _ in range(self.cap):
+            at = self._windows(pos, window)
+            free = self._gather(self.slots, at) < 0
+            count = free.cumsum(1)  # free entries up to each entry of the window
+            width = window.numel()
+            off = torch.where(free, window, width).amin(1)  # each window's first free entry, in probe order
+            first = torch.where(off < width, (pos + off) & (self.cap - 1), self.cap)
+            # keys whose first free entry is the same take its 1st, 2nd, ... free entry of their window by rank
+            order = torch.argsort(first, stable=True)
+            sorted_first = first[order]
+            starts = torch.ones_like(sorted_first, dtype=torch.bool)
+            starts[1:] = sorted_first[1:] != sorted_first[:-1]
+            index = torch.arange(first.numel())
+            group_start = torch.cummax(torch.where(starts, index, 0), 0).values
+            rank = torch.empty_like(first)
+            rank[order] = index - group_start
+            pick = free & (count == rank[:, None] + 1)
+            has = pick.any(1)
+            hidx = has.nonzero().reshape(-1)
+            cand, cpos = pending[hidx], torch.where(pick, at, 0).sum(1)[hidx]
+            self.keys[cpos] = ids[cand]  # keys sharing an entry: one write wins, the check below finds it
+            self.tags[cpos] = tags[cand].to(torch.int16)
+            won = (self.keys[cpos] == ids[cand]) & (self.tags[cpos] == tags[cand])
+            wpos, wid = cpos[won], cand[won]
+            self.tombs -= int((self.slots[wpos] == _TOMB).sum())
+            self.slots[wpos] = slots[wid].to(torch.int32)
+            # losers and keys without an entry look again from their window's first entry still free,
+            # or a window further when the window is full
+            keep = torch.ones(pending.numel(), dtype=torch.bool)
+            keep[hidx[won]] = False
+            if not bool(keep.any()):
+                break
+            nxt = pos + off  # off is the width where the window is full
+            pending, pos = pending[keep], nxt[keep] & (self.cap - 1)
+            window = self._wide
+        self.size += n
+
+    def remove(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
+        """Remove the keys present; returns their slots (int64, in ``ids``' order, absent ones left out)."""
+        where = self._locate(ids, tags)
+        where = where[where >= 0]
+        slots = self.slots[where].to(torch.int64)
+        self.slots[where] = _TOMB
         self.tombs += where.numel()
         self.size -= where.numel()
-        slots = self.slots[where].to(torch.int64)
         if self.tombs > self.cap // 4:
             self._rehash(self.cap)
         return slots
 
-    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every ``(ids, slots)`` held, int64 ``[size]`` each, in table order."""
-        used = self.state == _USED
-        return self.keys[used].clone(), self.slots[used].to(torch.int64)
+    def items(self, tag: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every ``(ids, slots, tags)`` held (under ``tag`` only, if given), int64 ``[n]`` each, in table order.
+        One pass over the whole table."""
+        used = self.slots >= 0
+        if tag is not None:
+            used &= self.tags == tag
+        return self.keys[used].clone(), self.slots[used].to(torch.int64), self.tags[used].to(torch.int64)
 
     def _rehash(self, want: int) -> None:
-        ids, slots = self.items()
+        ids, slots, tags = self.items()
         cap = 16
         while 4 * want > 3 * cap:  # at most 3/4 full, more than 3/8 after growing
             cap *= 2
         self._alloc(cap)
         self.size = 0
-        self.insert(ids, slots)
+        self.insert(ids, slots, tags)

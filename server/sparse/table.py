@@ -1,10 +1,12 @@
 """``RowTable``: one sparse table's rows on one shard, their optimizer state, admission and eviction.
 
-Rows live in float32 tensors grown by 1/8 at a time (weights ``[capacity,
-dim]``, each state entry ``[capacity, width]``; int32 ``[capacity]``, the
-round each row was last pushed, so rounds count up to 2**31), addressed
-through an :class:`~shardps.server.sparse.index.IdIndex`;
-freed slots are reused. An id that is not a row reads as its initial value
+Rows live in tensors grown by 1/8 at a time (float32 weights ``[capacity,
+dim]`` and state ``[capacity, width]`` per entry; int32 ``[capacity]``, the
+round each row was last pushed (-1: a free slot; rounds count up to
+2**31)), addressed through the shard's :class:`~shardps.server.sparse.index.IdIndex` under the table's
+tag; freed slots are reused. Callers that look up several tables at once
+(``shardps.server.sparse.tables``) pass each table its slots and insert
+the new rows' keys that :meth:`RowTable.apply` returns. An id that is not a row reads as its initial value
 (``shardps.common.rows.initial_rows``), so a row is created only when a
 gradient is applied to it.
 
@@ -37,12 +39,13 @@ class RowTable:
     Args:
         spec: the table as the workers declared it.
         max_bytes: the table's memory limit on this shard (bytes of rows, state and index).
+        index: the shard's id index, shared by its tables; tag: this table's tag in it.
     """
 
-    def __init__(self, spec: TableSpec, max_bytes: int) -> None:
-        self.spec, self.max_bytes = spec, max_bytes
+    def __init__(self, spec: TableSpec, max_bytes: int, index: IdIndex, tag: int) -> None:
+        self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
-        self.index = IdIndex()
+        self.rows = 0
         self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._slots = 0  # high-water mark of slots in use
@@ -61,7 +64,7 @@ class RowTable:
             return
         new = max(need, int(cap * 1.125) + 64)
         dim = self.spec.embedding_dim
-        weights, touched = torch.zeros(new, dim), torch.zeros(new, dtype=torch.int32)
+        weights, touched = torch.zeros(new, dim), torch.full((new,), -1, dtype=torch.int32)
         state = {name: torch.zeros(new, w) for name, w in self.widths.items()}
         if old is not None:
             weights[:cap] = old
@@ -78,21 +81,28 @@ class RowTable:
         self._grow(self._slots)
         return torch.cat([reuse, fresh])
 
-    @property
-    def rows(self) -> int:
-        return len(self.index)
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each of ``ids`` (int64 ``[n]``), -1 where it is not a row."""
+        return self.index.find(ids, self.tag)
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, slots)`` of every row, int64 ``[rows]`` each (a pass over the shard's whole index)."""
+        ids, slots, _ = self.index.items(self.tag)
+        return ids, slots
 
     def nbytes(self) -> int:
-        """Bytes this table holds on the shard: row storage (allocated), index, admission counts."""
+        """Bytes this table holds on the shard: row storage (allocated), its share of the index (by rows),
+        admission counts."""
         per_slot = 4 * (self.spec.embedding_dim + sum(self.widths.values())) + 4
-        return self.weights.shape[0] * per_slot + self.index.nbytes() + self.candidates.nbytes() + \
-            self._cand.numel() * 8
+        share = self.index.nbytes() * self.rows // max(1, len(self.index))
+        return self.weights.shape[0] * per_slot + share + self.candidates.nbytes() + self._cand.numel() * 8
 
     # ------------------------------------------------------------ reads
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` (int64 ``[n]``): float32 ``[n, dim]``; ids that are not rows read as initialised."""
+    def read(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``ids`` (int64 ``[n]``): float32 ``[n, dim]``; ids that are not rows read as initialised.
+        ``slots``: :meth:`find`'s answer for ``ids`` (None: looked up here)."""
         s = self.spec
-        slots = self.index.find(ids)
+        slots = self.find(ids) if slots is None else slots
         found = slots >= 0
         out = self.weights[slots.clamp(min=0)]
         if not bool(found.all()):
@@ -104,16 +114,16 @@ class RowTable:
     # ------------------------------------------------------------ a round
     def row_cost(self) -> int:
         """Bytes one more row may cost at most: weights and state, its last-pushed round, its index entries."""
-        return self.spec.row_bytes() + 4 + 35
+        return self.spec.row_bytes() + 4 + 38
 
-    def check_room(self, ids: torch.Tensor) -> torch.Tensor:
+    def check_room(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Refuse a round that would take the table past ``max_bytes`` (nothing changed); returns the slot of
-        each id (-1: not a row), for :meth:`apply`.
+        each id (-1: not a row), for :meth:`apply`. ``slots``: :meth:`find`'s answer (None: looked up here).
 
         Raises:
             ResourceExhausted: the message names the table, its limit and what the round needs.
         """
-        slots = self.index.find(ids)
+        slots = self.find(ids) if slots is None else slots
         new = int((slots < 0).sum())
         need = (self.rows + new) * self.row_cost()
         if self.max_bytes and need > self.max_bytes:
@@ -124,14 +134,18 @@ class RowTable:
         return slots
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, sightings: torch.Tensor, lr: float, round_: int,
-              slots: torch.Tensor | None = None) -> None:
+              slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One round's update: ``ids`` unique int64 ``[n]``, ``grad`` the averaged float32 ``[n, dim]``,
         ``sightings`` int64 ``[n]`` (pushes that carried each id), ``round_`` the round's number;
-        ``slots``: :meth:`check_room`'s answer for ``ids`` (None: looked up here)."""
+        ``slots``: :meth:`check_room`'s answer for ``ids``.
+
+        Returns ``(ids, slots)`` of the rows made now: the caller inserts them into the index under
+        :attr:`tag`, then calls :meth:`evict`."""
         s = self.spec
         self.counts["rows_pushed"] += ids.numel()
         self.step += 1
-        slots = self.index.find(ids) if slots is None else slots.clone()
+        slots = slots.clone()
+        made = (ids[:0], slots[:0])
         new = slots < 0
         if s.min_count > 1 and bool(new.any()):
             admit = self._count(ids[new], sightings[new], round_)
@@ -141,7 +155,8 @@ class RowTable:
             ids, grad, slots, new = ids[keep], grad[keep], slots[keep], new[keep]
         if bool(new.any()):
             fresh = self._take_slots(int(new.sum()))
-            self.index.insert(ids[new], fresh)
+            made = (ids[new], fresh)
+            self.rows += fresh.numel()
             self.weights[fresh] = initial_rows(s.name, ids[new], s.embedding_dim, s.seed, s.init_scale)
             for name, value in optimizers.initial_state(s.optimizer, s.hyperparams, fresh.numel(),
                                                         s.embedding_dim).items():
@@ -156,7 +171,7 @@ class RowTable:
             for name, t in state.items():
                 self.state[name][slots] = t
             self.touched[slots] = round_
-        self._evict(round_)
+        return made
 
     def _count(self, ids: torch.Tensor, sightings: torch.Tensor, round_: int) -> torch.Tensor:
         """Count sightings of ids that are not rows; the mask of those admitted now (their counts dropped)."""
@@ -182,25 +197,36 @@ class RowTable:
             self._cand_free = torch.cat([self._cand_free, self.candidates.remove(ids[admit])])
         return admit
 
-    def _evict(self, round_: int) -> None:
+    def evicts(self) -> bool:
+        """Whether :meth:`evict` has anything to do (``ttl_rounds`` or ``capacity`` set)."""
+        return bool(self.spec.ttl_rounds or self.spec.capacity)
+
+    def evict(self, round_: int, held: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """After round ``round_``'s update (and the index insert of its new rows): drop the rows past
+        ``ttl_rounds`` or ``capacity``, and the admission counts past ``ttl_rounds``. ``held``: :meth:`items`'
+        answer, when the caller read the index for several tables at once."""
         s = self.spec
-        if s.ttl_rounds and self.rows:
-            ids, slots = self.index.items()
+        if not self.evicts():
+            return
+        ids, slots = self.items() if held is None else held
+        if s.ttl_rounds and ids.numel():
             old = round_ - self.touched[slots] >= s.ttl_rounds
             if bool(old.any()):
                 self._drop(ids[old], slots[old], "evicted_ttl")
+                ids, slots = ids[~old], slots[~old]
         if s.ttl_rounds and len(self.candidates):
-            ids, cslots = self.candidates.items()
+            cand_ids, cslots, _ = self.candidates.items()
             old = round_ - self._cand[cslots, 1] >= s.ttl_rounds
             if bool(old.any()):
-                self._cand_free = torch.cat([self._cand_free, self.candidates.remove(ids[old])])
+                self._cand_free = torch.cat([self._cand_free, self.candidates.remove(cand_ids[old])])
         if s.capacity and self.rows > s.capacity:
-            ids, slots = self.index.items()
             lru = torch.topk(self.touched[slots], self.rows - s.capacity, largest=False).indices
             self._drop(ids[lru], slots[lru], "evicted_capacity")
 
     def _drop(self, ids: torch.Tensor, slots: torch.Tensor, why: str) -> None:
-        self.index.remove(ids)
+        self.index.remove(ids, self.tag)
+        self.touched[slots] = -1
+        self.rows -= ids.numel()
         self._free = torch.cat([self._free, slots])
         self.counts[why] += ids.numel()
 
@@ -208,7 +234,7 @@ class RowTable:
     def export(self, offset: int = 0, max_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(ids int64 [n], weights float32 [n, dim], {state name: float32 [n, width]})`` in id order: rows
         ``[offset, offset + max_rows)`` of them (``max_rows`` 0: all); only those rows are copied."""
-        ids, slots = self.index.items()
+        ids, slots = self.items()
         order = torch.argsort(ids)[offset: offset + max_rows if max_rows else None]
         ids, slots = ids[order], slots[order]
         return ids, self.weights[slots].clone(), {name: t[slots].clone() for name, t in self.state.items()}
@@ -216,9 +242,9 @@ class RowTable:
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and numbers that :meth:`restore` turns back into this table, bit for bit."""
         ids, weights, state = self.export()
-        touched = self.touched[self.index.find(ids)].to(torch.int64) if ids.numel() else \
+        touched = self.touched[self.find(ids)].to(torch.int64) if ids.numel() else \
             torch.zeros(0, dtype=torch.int64)
-        cand_ids, cslots = self.candidates.items()
+        cand_ids, cslots, _ = self.candidates.items()
         tensors = {"ids": ids, "weights": weights, "touched": touched, "cand_ids": cand_ids,
                    "cand": self._cand[cslots].clone() if cand_ids.numel() else torch.zeros(0, 2, dtype=torch.int64)}
         tensors.update({f"state.{name}": t for name, t in state.items()})
@@ -238,7 +264,8 @@ class RowTable:
         if not shapes_ok:
             raise ValueError(f"table {self.spec.name!r}: the checkpoint's rows do not match its spec")
         slots = self._take_slots(n)
-        self.index.insert(ids, slots)
+        self.index.insert(ids, slots, self.tag)
+        self.rows += n
         self.weights[slots] = weights
         self.touched[slots] = tensors["touched"].to(torch.int32)
         for k in self.widths:

@@ -38,6 +38,7 @@ from shardps.server.checks import shown
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
+from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.table import COUNTERS, RowTable
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class SparseTables:
 
     def __init__(self, store) -> None:
         self.store = store
+        self.index = IdIndex()  # every table's ids, under the table's tag (its position in self.tables)
         self.tables: dict[str, RowTable] = {}
         self.round = 0  # sparse rounds applied
         self.members: dict[str, int] = {}  # table member -> its last push number taken (-1: none yet)
@@ -106,7 +108,7 @@ class SparseTables:
         default = self.store.config.table_max_bytes
         for name, spec in specs.items():
             if name not in self.tables:
-                self.tables[name] = RowTable(spec, spec.max_bytes or default)
+                self.tables[name] = RowTable(spec, spec.max_bytes or default, self.index, len(self.tables))
                 log.info("shard %d: sparse table %s (dim %d, %s) declared", self.store.config.shard_index,
                          shown(name), spec.embedding_dim, spec.optimizer)
         self.members.setdefault(request.worker_id, -1)
@@ -245,47 +247,81 @@ class SparseTables:
             self.store.notifier.notify_all()
             self.maybe_apply()
 
+    def find(self, parts: list[tuple[RowTable, torch.Tensor]]) -> list[torch.Tensor]:
+        """The slots of several tables' ids in one index lookup: ``parts`` ``[(table, int64 ids [n])]``, out
+        int64 ``[n]`` per part (-1: not a row)."""
+        if not parts:
+            return []
+        ids = torch.cat([i for _, i in parts])
+        tags = torch.cat([torch.full((i.numel(),), t.tag, dtype=torch.int64) for t, i in parts])
+        return list(self.index.find(ids, tags).split([i.numel() for _, i in parts]))
+
     def _update(self, pushes: list[_Push], number: int) -> None:
         """Average and apply one round (compute thread). Checks every table's room, and the shard's memory
         budget for the round's new rows, before changing any."""
         started = time.perf_counter()
-        merged, growth = {}, 0
+        merged = []
         for name, table in self.tables.items():
             parts = [p.tables[name] for p in pushes if name in p.tables]
             if not parts:
                 continue
-            ids = torch.cat([p[0] for p in parts])
-            grads = torch.cat([p[1] for p in parts])
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(0, inverse, grads)
-            sightings = torch.bincount(inverse, minlength=unique.numel())
-            slots = table.check_room(unique)
+            if len(parts) == 1:
+                unique, summed, sightings = parts[0][0], parts[0][1], torch.ones_like(parts[0][0])
+            else:
+                ids = torch.cat([p[0] for p in parts])
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(
+                    0, inverse, torch.cat([p[1] for p in parts]))
+                sightings = torch.bincount(inverse, minlength=unique.numel())
+            merged.append((table, unique, summed / len(pushes), sightings, parts[0][2]))
+        growth = 0
+        found = self.find([(m[0], m[1]) for m in merged])
+        for (table, unique, *_), slots in zip(merged, found):
+            table.check_room(unique, slots)
             growth += int((slots < 0).sum()) * table.row_cost()
-            merged[name] = (unique, summed / len(pushes), sightings, parts[0][2], slots)
         budget = self.store.config.memory_budget_bytes
         if growth and resident_bytes() + growth > budget:
             raise ResourceExhausted(
                 f"the round's new rows need about {growth} bytes more and the shard holds {resident_bytes()} bytes "
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
-        for name, (ids, grad, sightings, lr, slots) in merged.items():
-            self.tables[name].apply(ids, grad, sightings, lr, number, slots)
+        made = [(table, table.apply(ids, grad, sightings, lr, number, slots))
+                for (table, ids, grad, sightings, lr), slots in zip(merged, found)]
+        made = [(table, ids, slots) for table, (ids, slots) in made if ids.numel()]
+        if made:
+            self.index.insert(torch.cat([m[1] for m in made]), torch.cat([m[2] for m in made]),
+                              torch.cat([torch.full((m[1].numel(),), m[0].tag, dtype=torch.int64) for m in made]))
+        evicting = [t for t in self.tables.values() if t.evicts()]
+        if evicting:  # every round, pushed or not; one pass over the index for all of them
+            ids, slots, tags = self.index.items()
+            for table in evicting:
+                mine = tags == table.tag
+                table.evict(number, (ids[mine], slots[mine]))
         self.rounds_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------ pull
     async def pull(self, request: pb.PullRowsRequest, timeout: float | None) -> pb.PullRowsReply:
-        """The rows of ``request.ids``; with ``after_push``, once the caller's last push is applied.
+        """The rows of ``request.ids`` (one table) or of each of ``request.tables`` (several, looked up at once);
+        with ``after_push``, once the caller's last push is applied.
 
         Raises:
             FailedPrecondition: not a table member; an unknown table.
-            InvalidArgument: malformed ids, ids of another shard or out of range.
+            InvalidArgument: malformed ids, ids of another shard or out of range, a table named twice, both
+                forms in one request.
             ShardError: the round of the caller's last push was refused (its reason).
             DeadlineExceeded: the round did not complete within the call's deadline.
         """
         self.store.check_open()
         self._member(request.worker_id, request.session)
-        table = self._table(request.table)
-        ids = self._ids(request.ids, table, "the pull")
+        if request.tables and (request.table or request.ids):
+            raise InvalidArgument("a pull names its table in table and ids, or several in tables, not both")
+        wanted = [(p.table, p.ids) for p in request.tables] if request.tables else [(request.table, request.ids)]
+        if len({name for name, _ in wanted}) != len(wanted):
+            raise InvalidArgument("a pull names a table twice: send each table's unique ids once")
+        parts = []
+        for name, data in wanted:
+            table = self._table(name)
+            parts.append((table, self._ids(data, table, "the pull")))
         if request.after_push:
             w = request.worker_id
 
@@ -302,8 +338,13 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if w in self.failed:
                 raise self.failed.pop(w)
-        rows = await self.store.run(table.read, ids)
-        return pb.PullRowsReply(rows=rows_bytes(rows), round=self.round)
+        rows = await self.store.run(self._read, parts)
+        if request.tables:
+            return pb.PullRowsReply(parts=[rows_bytes(r) for r in rows], round=self.round)
+        return pb.PullRowsReply(rows=rows_bytes(rows[0]), round=self.round)
+
+    def _read(self, parts: list[tuple[RowTable, torch.Tensor]]) -> list[torch.Tensor]:
+        return [table.read(ids, slots) for (table, ids), slots in zip(parts, self.find(parts))]
 
     async def _settled(self) -> None:
         """Wait (up to ``max_wait_seconds``) while a round is applied: reads between rounds see whole rounds."""
@@ -348,7 +389,7 @@ class SparseTables:
         self.round = int(entry.get("round", 0))
         for name, numbers in entry.get("tables", {}).items():
             spec = TableSpec.from_proto(pb.TableSpec.FromString(bytes.fromhex(numbers["spec"])))
-            table = RowTable(spec, spec.max_bytes or self.store.config.table_max_bytes)
+            table = RowTable(spec, spec.max_bytes or self.store.config.table_max_bytes, self.index, len(self.tables))
             prefix = f"rows/{name}/"
             table.restore({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, numbers)
             self.tables[name] = table

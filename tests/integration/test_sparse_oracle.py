@@ -8,7 +8,9 @@ process running ``nn.EmbeddingBag(sparse=True)``/``nn.Embedding(sparse=True)``
 with the same torch optimizer on both workers' batches, the loss being the
 mean of the two workers' losses (gradients averaged over workers, as for
 dense). The batches repeat ids within a batch and carry ids only one
-worker sees. Every row of every table must match within 1e-6.
+worker sees. Every row of every table must match within 1e-6. The same
+holds with the two bags looked up through a ``ShardedEmbeddingBagCollection``
+(several tables in one pull per shard).
 """
 
 from __future__ import annotations
@@ -21,18 +23,25 @@ import torch
 from torch import nn
 
 from shardps.common.rows import initial_rows
-from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag
+from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
 N, DIM, STEPS, WORKERS = 50, 4, 20, 2
 SCALE = 0.3
 
 
 class Net(nn.Module):
-    """Three tables and a dense head; ``sharded`` picks shardps modules or torch's sparse ones."""
+    """Three tables and a dense head; ``sharded`` picks shardps modules or torch's sparse ones; ``collection``
+    looks the two bags up through one ``ShardedEmbeddingBagCollection`` (one pull per shard for both)."""
 
-    def __init__(self, sharded: bool) -> None:
+    def __init__(self, sharded: bool, collection: bool = False) -> None:
         super().__init__()
-        if sharded:
+        self.collection = collection
+        if collection:
+            self.bags = ShardedEmbeddingBagCollection({
+                "a": ShardedEmbeddingBag(N, DIM, mode="sum", init_scale=SCALE, name="bag_sum"),
+                "b": ShardedEmbeddingBag(N, DIM, mode="mean", init_scale=SCALE, name="bag_mean")})
+            self.emb = ShardedEmbedding(N, DIM, padding_idx=0, init_scale=SCALE)
+        elif sharded:
             self.bag_sum = ShardedEmbeddingBag(N, DIM, mode="sum", init_scale=SCALE)
             self.bag_mean = ShardedEmbeddingBag(N, DIM, mode="mean", init_scale=SCALE)
             self.emb = ShardedEmbedding(N, DIM, padding_idx=0, init_scale=SCALE)
@@ -49,9 +58,18 @@ class Net(nn.Module):
             self.head.weight.copy_(torch.randn(1, 3 * DIM, generator=torch.Generator().manual_seed(0)) * 0.3)
             self.head.bias.zero_()
 
+    def tables(self) -> list[nn.Module]:
+        if self.collection:
+            return [self.bags.bags["a"], self.bags.bags["b"], self.emb]
+        return [self.bag_sum, self.bag_mean, self.emb]
+
     def forward(self, batch: dict) -> torch.Tensor:
-        a = self.bag_sum(batch["ids"], batch["offsets"], per_sample_weights=batch["weights"])
-        b = self.bag_mean(batch["ids2d"])
+        if self.collection:
+            out = self.bags({"a": (batch["ids"], batch["offsets"], batch["weights"]), "b": batch["ids2d"]})
+            a, b = out["a"], out["b"]
+        else:
+            a = self.bag_sum(batch["ids"], batch["offsets"], per_sample_weights=batch["weights"])
+            b = self.bag_mean(batch["ids2d"])
         c = self.emb(batch["seq"]).sum(dim=1)
         return self.head(torch.cat([a, b, c], dim=1)).squeeze(1)
 
@@ -69,7 +87,7 @@ def batches(worker: int, step: int) -> dict:
 
 
 def optimizers(kind: str, model: Net):
-    tables = [model.bag_sum, model.bag_mean, model.emb]
+    tables = model.tables()
     handles = [t.handle if hasattr(t, "handle") else t.weight for t in tables]
     if kind == "sgd":
         sparse = torch.optim.SGD(handles, lr=0.5)
@@ -95,8 +113,8 @@ def oracle(kind: str) -> Net:
     return model
 
 
-def train_sharded(kind: str, servers: str, worker: int, out: dict) -> None:
-    model = Net(sharded=True)
+def train_sharded(kind: str, servers: str, worker: int, out: dict, collection: bool) -> None:
+    model = Net(sharded=True, collection=collection)
     dense, sparse = optimizers(kind, model)
     dist = DistributedOptimizer(dense, model.named_parameters(), servers=servers, model=model,
                                 worker_id=f"w{worker}", sparse_optimizer=sparse)
@@ -121,8 +139,9 @@ def shards():
         yield cluster
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "sparse_adam"])
-def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind):
+@pytest.mark.parametrize("kind,collection", [("sgd", False), ("adagrad", False), ("sparse_adam", False),
+                                             ("adagrad", True)])
+def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind, collection):
     from shardps.worker.session.client import ShardClient
     for address in shards.addresses:  # a fresh job per optimizer
         client = ShardClient(address, index=0)
@@ -134,7 +153,7 @@ def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind
 
     def run(w):
         try:
-            train_sharded(kind, shards.servers, w, out)
+            train_sharded(kind, shards.servers, w, out, collection)
         except BaseException as exc:  # reported below
             errors.append(exc)
 

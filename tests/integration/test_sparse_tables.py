@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.common.rows import ids_bytes, initial_rows, rows_bytes, shard_of
+from shardps.common.rows import ids_bytes, initial_rows, rows_bytes, rows_from, shard_of
 from shardps.proto import shardps_pb2 as pb
 from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, WireOptions
 from shardps.worker.session.client import ShardClient, ShardRpcError
@@ -134,6 +134,21 @@ def test_hostile_row_pushes_are_refused_and_stage_nothing(shards):
         assert "learning rate" in push(mine, torch.zeros(3, 4), lr=-1.0).details
         assert "not declared" in push(mine, torch.zeros(3, 4), table="nope").details
         assert client.stats().version == 0
+
+        def pull(**kw):
+            request = pb.PullRowsRequest(worker_id="w0", session=dist.session, **kw)
+            with pytest.raises(ShardRpcError) as info:
+                client.pull_rows(request)
+            return info.value
+
+        part = pb.TableIds(table="table", ids=ids_bytes(mine))
+        assert "twice" in pull(tables=[part, part]).details
+        assert "not both" in pull(table="table", ids=ids_bytes(mine), tables=[part]).details
+        assert "not declared" in pull(tables=[part, pb.TableIds(table="nope", ids=ids_bytes(mine))]).details
+        assert "does not hold" in pull(tables=[pb.TableIds(table="table", ids=ids_bytes(theirs))]).details
+        reply = client.pull_rows(pb.PullRowsRequest(worker_id="w0", session=dist.session, tables=[part]))
+        assert len(reply.parts) == 1 and not reply.rows
+        assert torch.equal(rows_from(reply.parts[0], 3, 4), initial_rows("table", mine, 4, 0, 0.5))
         train(model, dist, [torch.tensor([1, 2])])  # nothing was staged: the round applies this worker's push
         assert dist.tables.export("table").round == 1
     finally:

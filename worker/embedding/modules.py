@@ -92,14 +92,17 @@ class ShardedTable(nn.Module):
         self.tables = tables
         self.pending.clear()
 
-    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """``(weight [m (+1), dim], local index of each id (ids' shape), local padding index or None)``."""
+    def prepare_lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """``(unique ids to pull [m], local index of each id (ids' shape, CPU), local padding index or None)``.
+
+        Raises:
+            RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
+        """
         what = f"{type(self).__name__} {self.name!r}"
         if self.tables is None:
             raise RuntimeError(f"{what} is not attached to shards yet: pass its handle to "
                                "DistributedOptimizer(..., sparse_optimizer=) before the first forward")
         check_ids(ids, what, self.num_embeddings or 0)
-        device = self.handle.device
         unique, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
         pad = None
         if self.padding_idx is not None:
@@ -110,13 +113,23 @@ class ShardedTable(nn.Module):
                 pad = int(keep.sum())
                 local[is_pad] = pad
                 unique, inverse = unique[keep], local[inverse]
-        rows = self.tables.pull(self.name, unique).to(device)
-        train = torch.is_grad_enabled() and self.training
-        if train:
+        return unique, inverse.view(ids.shape), pad
+
+    def finish_lookup(self, unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
+                pad: int | None) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """``(weight [m (+1), dim], local index of each id, local padding index or None)`` on the handle's
+        device, from the pulled ``rows`` (float32 ``[m, dim]``); keeps the rows for the step's push."""
+        device = self.handle.device
+        rows = rows.to(device)
+        if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
             self.pending.append((unique, rows))
         weight = rows if pad is None else torch.cat([rows, torch.zeros(1, self.embedding_dim, device=device)])
-        return weight, inverse.view(ids.shape).to(device), pad
+        return weight, inverse.to(device), pad
+
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        unique, inverse, pad = self.prepare_lookup(ids)
+        return self.finish_lookup(unique, self.tables.pull(self.name, unique), inverse, pad)
 
 
 class ShardedEmbedding(ShardedTable):

@@ -171,35 +171,57 @@ class SparseTables:
             return fn(self._clients[shard])
 
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of unique int64 ``ids`` ``[n]`` of table ``name``: float32 ``[n, dim]`` (CPU), once this worker's
-        last push is applied. Blocks on the network (one call per shard holding some of the ids).
+        """Rows of unique int64 ``ids`` ``[n]`` of table ``name``: float32 ``[n, dim]`` (CPU); see :meth:`pull_many`."""
+        return self.pull_many([(name, ids)])[0]
+
+    def pull_many(self, parts: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Rows of several tables, ``parts`` ``[(table name, unique int64 ids [n])]``: float32 ``[n, dim]`` per
+        part (CPU), once this worker's last push is applied. One ``PullRows`` call per shard holding some of
+        the ids, for every table at once (more where a reply would pass half the message limit), the shards
+        called in parallel.
 
         Raises:
             ShardRpcError: a shard refused (its message says why) or the round of the last push was refused.
+            ValueError: a shard's reply does not have the rows asked for.
         """
-        dim = self.tables[name][1].embedding_dim
-        out = torch.empty(ids.numel(), dim)
-        if not ids.numel():
-            return out
-        where = shard_of(name, ids, len(self._clients))
-        parts = [(s, (where == s).nonzero().reshape(-1)) for s in range(len(self._clients))]
+        num_shards = len(self._clients)
+        dims = [self.tables[name][1].embedding_dim for name, _ in parts]
+        outs = [torch.empty(ids.numel(), dim) for (_, ids), dim in zip(parts, dims)]
+        budget = self._max_message_bytes // 2
+        requests: list[list[list[tuple[int, torch.Tensor]]]] = [[] for _ in range(num_shards)]
+        sizes = [0] * num_shards
+        for k, (name, ids) in enumerate(parts):
+            if not ids.numel():
+                continue
+            where = shard_of(name, ids, num_shards)
+            per_call = max(1, budget // (4 * dims[k] + 8))
+            for s in range(num_shards):
+                for piece in (where == s).nonzero().reshape(-1).split(per_call):  # replies within the limit
+                    if not piece.numel():
+                        continue
+                    cost = piece.numel() * (4 * dims[k] + 8)
+                    if not requests[s] or sizes[s] + cost > budget:
+                        requests[s].append([])
+                        sizes[s] = 0
+                    requests[s][-1].append((k, piece))
+                    sizes[s] += cost
 
-        def one(part):
-            s, idx = part
+        def one(s: int) -> list[tuple[int, torch.Tensor, bytes]]:
             got = []
-            for piece in idx.split(per_call):  # replies stay within the message limit
-                request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, table=name,
-                                             ids=ids_bytes(ids[piece]), after_push=True)
+            for pieces in requests[s]:
+                request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, after_push=True, tables=[
+                    pb.TableIds(table=parts[k][0], ids=ids_bytes(parts[k][1][piece])) for k, piece in pieces])
                 reply = self._call(s, lambda c: c.pull_rows(request))
-                got.append((piece, rows_from(reply.rows, piece.numel(), dim), len(reply.rows)))
+                if len(reply.parts) != len(pieces):
+                    raise ValueError(f"shard {s} answered {len(reply.parts)} tables for a pull of {len(pieces)}")
+                got.extend((k, piece, data) for (k, piece), data in zip(pieces, reply.parts))
             return got
 
-        per_call = max(1, (self._max_message_bytes // 2) // (4 * dim + 8))
-        for got in self._pool.map(one, [p for p in parts if p[1].numel()]):
-            for idx, rows, size in got:
-                out[idx] = rows
-                self.pulled_bytes += size
-        return out
+        for got in self._pool.map(one, [s for s in range(num_shards) if requests[s]]):
+            for k, piece, data in got:
+                outs[k][piece] = rows_from(data, piece.numel(), dims[k])
+                self.pulled_bytes += len(data)
+        return outs
 
     def zero_grad(self) -> None:
         """Forget the step's lookups (their gradients are not pushed)."""
@@ -226,10 +248,13 @@ class SparseTables:
             if _group_spec(self._optimizer, group)[1] != spec.hyperparams:
                 raise ValueError(f"a hyperparameter of table {name!r} changed after it was declared; only lr may "
                                  "change during training")
-            ids = torch.cat([i for i, _ in lookups])
-            grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
+            if len(lookups) == 1:  # one lookup: its ids are unique already, one gradient row each
+                unique, summed = lookups[0][0], lookups[0][1].detach().to("cpu", torch.float32)
+            else:
+                ids = torch.cat([i for i, _ in lookups])
+                grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
             where = shard_of(name, unique, num_shards)
             for s in range(num_shards):
                 idx = (where == s).nonzero().reshape(-1)

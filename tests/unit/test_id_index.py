@@ -1,0 +1,65 @@
+"""``IdIndex`` (the shard's id -> slot map of sparse tables) against a Python dict, through growth, removal and
+rehashing, with ids colliding on purpose."""
+
+import torch
+
+from shardps.server.sparse.index import IdIndex
+
+
+def _check(index: IdIndex, oracle: dict[int, int], probe: torch.Tensor) -> None:
+    got = index.find(probe).tolist()
+    assert got == [oracle.get(i, -1) for i in probe.tolist()]
+    ids, slots, tags = index.items()
+    assert bool((tags == 0).all())
+    assert dict(zip(ids.tolist(), slots.tolist())) == oracle
+    assert len(index) == len(oracle)
+
+
+def test_index_matches_a_dict_through_inserts_removals_and_rehashes():
+    g = torch.Generator().manual_seed(7)
+    index, oracle, next_slot = IdIndex(capacity=16), {}, 0
+    # ids from the whole int64 range, plus a dense block (many share home positions in a small table)
+    pool = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,), generator=g), torch.arange(-500, 500)]).unique()
+    for step in range(40):
+        batch = pool[torch.randint(0, pool.numel(), (300,), generator=g)].unique()
+        absent = torch.tensor([i not in oracle for i in batch.tolist()], dtype=torch.bool)
+        new = batch[absent]
+        slots = torch.arange(next_slot, next_slot + new.numel())
+        next_slot += new.numel()
+        index.insert(new, slots)
+        oracle.update(zip(new.tolist(), slots.tolist()))
+        if step % 3 == 2:  # remove a third of what is held, and some ids never held
+            held = torch.tensor(sorted(oracle), dtype=torch.int64)
+            gone = held[torch.randperm(held.numel(), generator=g)[: held.numel() // 3]]
+            asked = torch.cat([gone, torch.tensor([2**62 + 11, -(2**62) - 3])])
+            removed = index.remove(asked)
+            assert removed.tolist() == [oracle.pop(i) for i in gone.tolist()]
+        probe = torch.cat([batch, pool[torch.randint(0, pool.numel(), (200,), generator=g)]])
+        _check(index, oracle, probe)
+    assert index.cap >= len(oracle) * 4 // 3
+    assert index.find(torch.empty(0, dtype=torch.int64)).numel() == 0
+
+
+def test_full_windows_are_probed_past():
+    # ids placed in a 16-entry table up to 3/4 full: the probe runs past full windows and wraps around
+    index = IdIndex(capacity=16)
+    ids = torch.arange(12, dtype=torch.int64) * 16  # a table of 16 entries: spread or not, 12 fit
+    index.insert(ids, torch.arange(12))
+    assert index.cap == 16
+    assert index.find(ids).tolist() == list(range(12))
+    assert index.find(ids + 1).tolist() == [-1] * 12
+
+
+def test_tags_keep_equal_ids_of_different_tables_apart():
+    index = IdIndex(capacity=16)
+    ids = torch.tensor([5, -9, 2**62], dtype=torch.int64)
+    index.insert(ids, torch.tensor([0, 1, 2]), tags=0)
+    index.insert(ids, torch.tensor([10, 11, 12]), tags=3)
+    index.insert(torch.cat([ids, ids]), torch.tensor([20, 21, 22, 30, 31, 32]),
+                 tags=torch.tensor([1, 1, 1, 2, 2, 2]))
+    assert index.find(ids, 0).tolist() == [0, 1, 2]
+    assert index.find(ids, 3).tolist() == [10, 11, 12]
+    assert index.find(ids, torch.tensor([1, 2, 4])).tolist() == [20, 31, -1]
+    assert index.remove(ids[:1], 3).tolist() == [10]
+    assert index.find(ids, 3).tolist() == [-1, 11, 12] and index.find(ids, 0).tolist() == [0, 1, 2]
+    assert len(index) == 11
