@@ -185,4 +185,19 @@ class IdIndex:
             cap *= 2
         self._alloc(cap)
         self.size = 0
-        self.insert(ids, slots, tags)
+        if not ids.numel():
+            return
+        # Into an empty table, linear probing in order of home position places the i-th key at
+        # max(its home, the (i-1)-th key's place + 1) = i + max over j <= i of (home_j - j): one sort and
+        # one running maximum instead of probe passes. Keys placed past the end wrap around: the
+        # ordinary insert places those few.
+        home = self._home(ids, tags)
+        order = torch.argsort(home)
+        rank = torch.arange(ids.numel())
+        place = rank + torch.cummax(home[order] - rank, 0).values
+        inside = place < cap
+        put, sel = place[inside], order[inside]
+        self.keys[put], self.tags[put], self.slots[put] = ids[sel], tags[sel].to(torch.int16), slots[sel].to(torch.int32)
+        self.size = put.numel()
+        rest = order[~inside]
+        self.insert(ids[rest], slots[rest], tags[rest])
