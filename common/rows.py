@@ -24,7 +24,7 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 
-__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
+__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
            "rows_bytes", "rows_from", "state_widths"]
 
 #: Row-wise optimizers the shards run, with their hyperparameters (lr travels with every push) and defaults.
@@ -69,7 +69,13 @@ def salt(name: str, seed: int = 0) -> int:
 
 def shard_of(name: str, ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     """The shard index of each id (int64 tensor ``[n]`` in, int64 ``[n]`` in ``[0, num_shards)`` out)."""
-    return _shr(mix(ids ^ salt(name, -1)), 1) % num_shards
+    return shard_of_salted(ids, salt(name, -1), num_shards)
+
+
+def shard_of_salted(ids: torch.Tensor, salts, num_shards: int) -> torch.Tensor:
+    """:func:`shard_of` with each table's placement salt ``salt(name, -1)`` given: an int, or int64 ``[n]``
+    (one per id, so the ids of several tables are placed in one pass)."""
+    return _shr(mix(ids ^ salts), 1) % num_shards
 
 
 def initial_rows(name: str, ids: torch.Tensor, dim: int, seed: int, init_scale: float,

@@ -29,6 +29,9 @@ from shardps.server.errors import ResourceExhausted
 from shardps.server.sparse import optimizers
 from shardps.server.sparse.index import IdIndex
 
+#: Initial rows a table keeps from its reads until the next round (see ``RowTable._initial``).
+_FRESH_ROWS = 1 << 16
+
 #: Counters each table keeps (metrics and Stats read them).
 COUNTERS = ("admitted", "evicted_ttl", "evicted_capacity", "rows_pulled", "rows_pushed", "dropped_unadmitted")
 
@@ -46,6 +49,10 @@ class RowTable:
         self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
         self.rows = 0
+        # initial rows computed by the reads since the last round ((ids, rows) pairs, at most _FRESH_ROWS
+        # rows): the round that creates those rows takes them from here instead of computing them again
+        self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._fresh_rows = 0
         self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._slots = 0  # high-water mark of slots in use
@@ -64,14 +71,17 @@ class RowTable:
             return
         new = max(need, int(cap * 1.125) + 64)
         dim = self.spec.embedding_dim
-        weights, touched = torch.zeros(new, dim), torch.full((new,), -1, dtype=torch.int32)
-        state = {name: torch.zeros(new, w) for name, w in self.widths.items()}
-        if old is not None:
-            weights[:cap] = old
-            touched[:cap] = self.touched
-            for name in state:
-                state[name][:cap] = self.state[name]
-        self.weights, self.touched, self.state = weights, touched, state
+        def grown(t: torch.Tensor | None, shape: tuple[int, ...], fill, dtype=torch.float32) -> torch.Tensor:
+            out = torch.empty(shape, dtype=dtype)
+            out[cap:] = fill  # only the new part is filled; the old part is copied
+            if t is not None:
+                out[:cap] = t
+            return out
+
+        self.weights = grown(old, (new, dim), 0.0)
+        self.touched = grown(None if old is None else self.touched, (new,), -1, torch.int32)
+        self.state = {name: grown(None if old is None else self.state[name], (new, w), 0.0)
+                      for name, w in self.widths.items()}
 
     def _take_slots(self, n: int) -> torch.Tensor:
         reuse = self._free[-n:] if n else self._free[:0]
@@ -107,7 +117,11 @@ class RowTable:
         out = self.weights[slots.clamp(min=0)]
         if not bool(found.all()):
             missing = ~found
-            out[missing] = initial_rows(s.name, ids[missing], s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
+            fresh = initial_rows(s.name, ids[missing], s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
+            out[missing] = fresh
+            if self._fresh_rows + fresh.shape[0] <= _FRESH_ROWS:
+                self._fresh.append((ids[missing], fresh))
+                self._fresh_rows += fresh.shape[0]
         self.counts["rows_pulled"] += ids.numel()
         return out
 
@@ -157,7 +171,7 @@ class RowTable:
             fresh = self._take_slots(int(new.sum()))
             made = (ids[new], fresh)
             self.rows += fresh.numel()
-            self.weights[fresh] = initial_rows(s.name, ids[new], s.embedding_dim, s.seed, s.init_scale)
+            self.weights[fresh] = self._initial(ids[new])
             for name, value in optimizers.initial_state(s.optimizer, s.hyperparams, fresh.numel(),
                                                         s.embedding_dim).items():
                 self.state[name][fresh] = value
@@ -171,7 +185,26 @@ class RowTable:
             for name, t in state.items():
                 self.state[name][slots] = t
             self.touched[slots] = round_
+        self._fresh, self._fresh_rows = [], 0
         return made
+
+    def _initial(self, ids: torch.Tensor) -> torch.Tensor:
+        """``initial_rows`` of ``ids`` (int64 ``[n]``, none the padding id): those the reads since the last round
+        computed are copied, the others computed."""
+        s = self.spec
+        if not self._fresh:
+            return initial_rows(s.name, ids, s.embedding_dim, s.seed, s.init_scale)
+        known = torch.cat([i for i, _ in self._fresh])
+        rows = torch.cat([r for _, r in self._fresh])
+        order = torch.argsort(known)
+        known = known[order]
+        at = torch.searchsorted(known, ids).clamp(max=known.numel() - 1)
+        hit = known[at] == ids
+        out = torch.empty(ids.numel(), s.embedding_dim)
+        out[hit] = rows[order[at[hit]]]
+        if not bool(hit.all()):
+            out[~hit] = initial_rows(s.name, ids[~hit], s.embedding_dim, s.seed, s.init_scale)
+        return out
 
     def _count(self, ids: torch.Tensor, sightings: torch.Tensor, round_: int) -> torch.Tensor:
         """Count sightings of ids that are not rows; the mask of those admitted now (their counts dropped)."""

@@ -24,6 +24,8 @@ on the store's compute thread, one at a time (``store.run``).
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import math
 import os
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of
+from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, salt, shard_of_salted
 from shardps.server.checks import shown
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
@@ -126,20 +128,34 @@ class SparseTables:
             raise FailedPrecondition(f"sparse table {shown(name)} is not declared on this shard")
         return table
 
-    def _ids(self, data: bytes, table: RowTable, what: str) -> torch.Tensor:
-        try:
-            ids = ids_from(data)
-        except ValueError as exc:
-            raise InvalidArgument(f"{what} of table {shown(table.spec.name)}: {exc}") from None
-        try:
-            check_ids(ids, f"table {table.spec.name!r}", table.spec.num_embeddings)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+    def _ids(self, parts: list[tuple[RowTable, bytes]], what: str) -> list[torch.Tensor]:
+        """The int64 ids of each ``(table, bytes)`` part, checked (bounds of bounded tables, and that this shard
+        holds every id: one placement pass over all the parts).
+
+        Raises:
+            InvalidArgument: malformed ids, an id out of a bounded table's range, ids of another shard (the
+                message names the table).
+        """
+        out = []
+        for table, data in parts:
+            try:
+                ids = ids_from(data)
+                if table.spec.num_embeddings:
+                    check_ids(ids, f"table {table.spec.name!r}", table.spec.num_embeddings)
+            except ValueError as exc:
+                raise InvalidArgument(f"{what} of table {shown(table.spec.name)}: {exc}") from None
+            out.append(ids)
         cfg = self.store.config
-        if ids.numel() and bool((shard_of(table.spec.name, ids, cfg.num_shards) != cfg.shard_index).any()):
-            raise InvalidArgument(f"{what} of table {shown(table.spec.name)} names ids that shard "
-                                  f"{cfg.shard_index} does not hold (placement: shardps.common.rows.shard_of)")
-        return ids
+        sizes = [i.numel() for i in out]
+        if cfg.num_shards > 1 and sum(sizes):
+            salts = torch.cat([torch.full((n,), salt(t.spec.name, -1), dtype=torch.int64)
+                               for (t, _), n in zip(parts, sizes)])
+            wrong = (shard_of_salted(torch.cat(out), salts, cfg.num_shards) != cfg.shard_index).nonzero()
+            if wrong.numel():
+                k = bisect.bisect_right(list(itertools.accumulate(sizes)), int(wrong[0]))
+                raise InvalidArgument(f"{what} of table {shown(parts[k][0].spec.name)} names ids that shard "
+                                      f"{cfg.shard_index} does not hold (placement: shardps.common.rows.shard_of)")
+        return out
 
     # ------------------------------------------------------------ push
     async def push(self, request: pb.PushRowsRequest, timeout: float | None = None) -> pb.PushRowsReply:
@@ -175,17 +191,18 @@ class SparseTables:
         if request.worker_id in self.failed:  # its last round was refused: say so before taking another push
             raise self.failed.pop(request.worker_id)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        for part in request.tables:
-            table = self._table(part.table)
-            if part.table in tables:
-                raise InvalidArgument(f"table {shown(part.table)} appears twice in one push")
-            ids = self._ids(part.ids, table, "the push")
+        named = [self._table(part.table) for part in request.tables]
+        if len({t.spec.name for t in named}) != len(named):
+            raise InvalidArgument("a table appears twice in one push: send each table's rows once")
+        checked = self._ids([(t, part.ids) for t, part in zip(named, request.tables)], "the push")
+        for part, table, ids in zip(request.tables, named, checked):
             dim = table.spec.embedding_dim
             try:
                 grads = rows_from(part.grads, ids.numel(), dim)
             except ValueError as exc:
                 raise InvalidArgument(f"gradient of table {shown(part.table)}: {exc}") from None
-            if ids.numel() and torch.unique(ids).numel() != ids.numel():
+            # ids in increasing order (as workers send them) are unique; others are checked in full
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()) and torch.unique(ids).numel() != ids.numel():
                 raise InvalidArgument(f"the push of table {shown(part.table)} repeats an id: send each unique id "
                                       "once with its summed gradient")
             if table.spec.padding_idx >= 0 and bool((ids == table.spec.padding_idx).any()):
@@ -318,10 +335,8 @@ class SparseTables:
         wanted = [(p.table, p.ids) for p in request.tables] if request.tables else [(request.table, request.ids)]
         if len({name for name, _ in wanted}) != len(wanted):
             raise InvalidArgument("a pull names a table twice: send each table's unique ids once")
-        parts = []
-        for name, data in wanted:
-            table = self._table(name)
-            parts.append((table, self._ids(data, table, "the pull")))
+        named = [self._table(name) for name, _ in wanted]
+        parts = list(zip(named, self._ids([(t, data) for t, (_, data) in zip(named, wanted)], "the pull")))
         if request.after_push:
             w = request.worker_id
 
