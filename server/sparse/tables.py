@@ -59,6 +59,7 @@ MAX_TABLES = 64
 class _Push:
     number: int
     tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # table -> (ids, grads, lr)
+    worker: str = ""
 
 
 class SparseTables:
@@ -78,6 +79,9 @@ class SparseTables:
         self.failed: dict[str, ShardError] = {}
         self.applying = False
         self.rounds_seconds = 0.0
+        # the slots each (worker, table) pull found since the last update (compute thread only): a round
+        # whose push carries exactly those ids takes them instead of looking the ids up again
+        self._pulled: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------ declare
     def declare(self, request: pb.DeclareTablesRequest) -> pb.DeclareTablesReply:
@@ -216,7 +220,7 @@ class SparseTables:
                                       "finite and >= 0")
             tables[part.table] = (ids, grads, part.lr)
         self.members[request.worker_id] = request.push
-        self.staged[request.worker_id] = _Push(request.push, tables)
+        self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id)
         self.maybe_apply()
         return pb.PushRowsReply(round=self.round)
 
@@ -291,8 +295,11 @@ class SparseTables:
                     0, inverse, torch.cat([p[1] for p in parts]))
                 sightings = torch.bincount(inverse, minlength=unique.numel())
             merged.append((table, unique, summed / len(pushes), sightings, parts[0][2]))
+        try:
+            found = self._slots_of(merged, pushes)
+        finally:
+            self._pulled = {}  # a round may change slots: what the pulls found is stale after it
         growth = 0
-        found = self.find([(m[0], m[1]) for m in merged])
         for (table, unique, *_), slots in zip(merged, found):
             table.check_room(unique, slots)
             growth += int((slots < 0).sum()) * table.row_cost()
@@ -353,13 +360,39 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if w in self.failed:
                 raise self.failed.pop(w)
-        rows = await self.store.run(self._read, parts)
+        rows = await self.store.run(self._read, parts, request.worker_id)
         if request.tables:
             return pb.PullRowsReply(parts=[rows_bytes(r) for r in rows], round=self.round)
         return pb.PullRowsReply(rows=rows_bytes(rows[0]), round=self.round)
 
-    def _read(self, parts: list[tuple[RowTable, torch.Tensor]]) -> list[torch.Tensor]:
-        return [table.read(ids, slots) for (table, ids), slots in zip(parts, self.find(parts))]
+    def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str) -> list[torch.Tensor]:
+        found = self.find(parts)
+        for (table, ids), slots in zip(parts, found):
+            self._pulled[worker, table.spec.name] = (ids, slots)
+        return [table.read(ids, slots) for (table, ids), slots in zip(parts, found)]
+
+    def _slots_of(self, merged: list[tuple], pushes: list[_Push]) -> list[torch.Tensor]:
+        """The slot of each id of each merged table of a round (compute thread): from the pulls since the last
+        round where every push of the table carries exactly the ids its worker pulled (no round ran since,
+        so no slot changed), otherwise one index lookup for the rest."""
+        known: dict[int, torch.Tensor] = {}
+        for k, (table, unique, *_) in enumerate(merged):
+            name = table.spec.name
+            mine = [p for p in pushes if name in p.tables]
+            pulled = [self._pulled.get((p.worker, name)) for p in mine]
+            if not all(got is not None and torch.equal(got[0], p.tables[name][0]) for got, p in zip(pulled, mine)):
+                continue
+            if len(mine) == 1:
+                known[k] = pulled[0][1]  # the round's ids are that push's, in its order
+            else:
+                ids = torch.cat([got[0] for got in pulled])
+                slots = torch.empty(unique.numel(), dtype=torch.int64)
+                slots[torch.searchsorted(unique, ids)] = torch.cat([got[1] for got in pulled])
+                known[k] = slots
+        rest = [k for k in range(len(merged)) if k not in known]
+        for k, slots in zip(rest, self.find([(merged[k][0], merged[k][1]) for k in rest])):
+            known[k] = slots
+        return [known[k] for k in range(len(merged))]
 
     async def _settled(self) -> None:
         """Wait (up to ``max_wait_seconds``) while a round is applied: reads between rounds see whole rounds."""
