@@ -24,7 +24,7 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 
-__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
+__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "placement_salt", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
            "rows_bytes", "rows_from", "state_widths"]
 
 #: Row-wise optimizers the shards run, with their hyperparameters (lr travels with every push) and defaults.
@@ -67,14 +67,19 @@ def salt(name: str, seed: int = 0) -> int:
     return _signed(int.from_bytes(digest, "little"))
 
 
+def placement_salt(name: str) -> int:
+    """The salt :func:`shard_of` mixes into table ``name``'s ids."""
+    return salt(name, -1)
+
+
 def shard_of(name: str, ids: torch.Tensor, num_shards: int) -> torch.Tensor:
     """The shard index of each id (int64 tensor ``[n]`` in, int64 ``[n]`` in ``[0, num_shards)`` out)."""
-    return shard_of_salted(ids, salt(name, -1), num_shards)
+    return shard_of_salted(ids, placement_salt(name), num_shards)
 
 
 def shard_of_salted(ids: torch.Tensor, salts, num_shards: int) -> torch.Tensor:
-    """:func:`shard_of` with each table's placement salt ``salt(name, -1)`` given: an int, or int64 ``[n]``
-    (one per id, so the ids of several tables are placed in one pass)."""
+    """:func:`shard_of` with each table's :func:`placement_salt` given: an int, or int64 ``[n]`` (one per id,
+    so the ids of several tables are placed in one pass)."""
     return _shr(mix(ids ^ salts), 1) % num_shards
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from shardps.common.rows import TableSpec, initial_rows, state_widths
+from shardps.common.rows import TableSpec, initial_rows, placement_salt, state_widths
 from shardps.server.errors import ResourceExhausted
 from shardps.server.sparse import optimizers
 from shardps.server.sparse.index import IdIndex
@@ -47,6 +47,7 @@ class RowTable:
 
     def __init__(self, spec: TableSpec, max_bytes: int, index: IdIndex, tag: int) -> None:
         self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
+        self.place_salt = placement_salt(spec.name)
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
         self.rows = 0
         # initial rows computed by the reads since the last round ((ids, rows) pairs, at most _FRESH_ROWS

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, salt, shard_of_salted
+from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of_salted
 from shardps.server.checks import shown
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
@@ -152,7 +152,7 @@ class SparseTables:
         cfg = self.store.config
         sizes = [i.numel() for i in out]
         if cfg.num_shards > 1 and sum(sizes):
-            salts = torch.cat([torch.full((n,), salt(t.spec.name, -1), dtype=torch.int64)
+            salts = torch.cat([torch.full((n,), t.place_salt, dtype=torch.int64)
                                for (t, _), n in zip(parts, sizes)])
             wrong = (shard_of_salted(torch.cat(out), salts, cfg.num_shards) != cfg.shard_index).nonzero()
             if wrong.numel():

@@ -36,7 +36,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ``{key: float [B, dim]}`` for the keys given (a subset of the bags is fine).
 
     Raises:
-        TypeError: a bag that is not a ``ShardedEmbeddingBag``; ids that are not int64.
+        TypeError: a bag that is not a ``ShardedEmbeddingBag``; a feature that is not ids or a tuple of 2 or 3;
+            ids that are not int64.
         KeyError: a feature key with no bag.
         ValueError, RuntimeError: as ``ShardedEmbeddingBag.forward``.
     """
@@ -54,8 +55,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise KeyError(f"no bag for feature {unknown[0]!r} (bags: {', '.join(self.bags)})")
         calls = []
         for key, value in features.items():
-            ids, offsets, weights = (value, None, None) if isinstance(value, torch.Tensor) else \
-                (tuple(value) + (None, None))[:3]
+            if isinstance(value, torch.Tensor):
+                value = (value,)
+            if not isinstance(value, (tuple, list)) or not 1 <= len(value) <= 3:
+                raise TypeError(f"feature {key!r} takes ids, (ids, offsets) or (ids, offsets, per_sample_weights), "
+                                f"got {type(value).__name__}" + (f" of {len(value)}" if isinstance(
+                                    value, (tuple, list)) else ""))
+            ids, offsets, weights = (*value, None, None)[:3]
             bag = self.bags[key]
             calls.append((key, bag, bag.prepare_lookup(ids), offsets, weights))
         if not calls:
