@@ -222,8 +222,12 @@ def test_batchnorm_buffers_follow_ddp(servers, tmp_path) -> None:
     processes = [start_process(ddp_rank, (r, WORKERS, str(tmp_path / "init"), str(tmp_path / f"ddp{r}.pt"), STEPS))
                  for r in range(WORKERS)]
     deadline = time.monotonic() + 180
+    # bounded wait: until every rank saved its state (or exited), then 10 s for a clean exit
+    while time.monotonic() < deadline and not all((tmp_path / f"ddp{r}.pt").exists() or p.exitcode is not None
+                                                  for r, p in enumerate(processes)):
+        time.sleep(0.2)
     for p in processes:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        p.join(timeout=10)
     saved = [(tmp_path / f"ddp{r}.pt").exists() for r in range(WORKERS)]
     for p, done in zip(processes, saved):
         if p.exitcode is None and done:  # its state is saved whole; it hangs in Gloo's teardown (seen under load)

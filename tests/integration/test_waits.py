@@ -40,15 +40,16 @@ def test_a_survivor_names_the_lost_member_within_3_seconds(start_cluster) -> Non
         os.kill(procs[1].pid, signal.SIGKILL)
         killed = time.monotonic()
         deadline = killed + 8.0
-        said = None
+        said, heard = None, []
         while said is None and time.monotonic() < deadline:
             try:
                 at, line = err.get(timeout=0.2)
             except queue.Empty:
                 continue
+            heard.append(line)
             if "waits for worker(s) w1" in line:
                 said = (at, line)
-        assert said is not None, "the survivor never said what it waits for"
+        assert said is not None, f"the survivor never said what it waits for; its stderr: {heard[-10:]}"
         assert said[0] - killed <= 3.0, f"said after {said[0] - killed:.1f} s: {said[1]}"
         assert "INFO" in said[1] and f"lease of {LEASE:g} s runs out by" in said[1], said[1]
     finally:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from shardps.worker.session.client import ShardClient, ShardRpcError
 
-__all__ = ["WAIT_NOTICE_SECONDS", "WaitWatcher", "explain"]
+__all__ = ["WAIT_NOTICE_SECONDS", "WaitWatcher", "explain", "tell"]
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +122,27 @@ class WaitWatcher:
                 self._on_wait(sentence)
 
     def _ask(self, round_: int) -> str:
-        silent = []
-        for shard, client in enumerate(self._clients):
+        replies: list = []
+        for client in self._clients:
             try:
-                stats = client.stats(timeout=STATS_TIMEOUT_SECONDS, retried=False)
+                replies.append(client.stats(timeout=STATS_TIMEOUT_SECONDS, retried=False))
             except (ShardRpcError, ConnectionError):
-                silent.append(str(shard))
-                continue
-            return explain(round_, stats, self._mode, self._staleness, self._lease, time.time())
-        return (f"round {round_} waits for shard(s) {', '.join(silent)}, which do not answer (restarting or "
-                f"unreachable; the worker retries for its retry_seconds)")
+                replies.append(None)
+        return tell(round_, replies, self._mode, self._staleness, self._lease, time.time())
+
+
+def tell(round_: int, replies: Sequence, mode: str, staleness: int, lease_seconds: float, now_wall: float) -> str:
+    """The sentence for a round that waits, from every shard's ``StatsReply`` (``None``: it did not answer).
+
+    The shards of one round apply it independently: a member that died after
+    sending its push to some shards leaves only the others waiting. The
+    sentence is therefore built (:func:`explain`) from the answering shard
+    with the lowest version; shards that did not answer are named instead
+    only when every answering shard has already applied ``round_``.
+    """
+    behind = min((r for r in replies if r is not None), key=lambda r: r.version, default=None)
+    silent = [str(shard) for shard, r in enumerate(replies) if r is None]
+    if behind is not None and (behind.version <= round_ or not silent):
+        return explain(round_, behind, mode, staleness, lease_seconds, now_wall)
+    return (f"round {round_} waits for shard(s) {', '.join(silent)}, which do not answer (restarting or "
+            f"unreachable; the worker retries for its retry_seconds)")
