@@ -18,10 +18,11 @@ Model (DLRM, Naumov et al. 2019, smaller): bottom MLP 13 -> 64 -> 16 (ReLU);
 26 embedding bags of dim 16 (``mode="sum"``, one id per bag); the dot
 products of the 27 vectors (351) next to the bottom output -> top MLP 367
 -> 128 -> 64 -> 1; ``BCEWithLogitsLoss``. Optimizers: Adam (lr 1e-3) for
-the MLPs, Adagrad (lr 0.05) for the tables. Each worker process runs
-``cores // workers`` torch threads (at least 1: in sync mode a worker
-computes while the shards wait, and the other way round); shards run
-with ``--threads 1`` (2 cores are shared by up to 8 processes).
+the MLPs, Adagrad (lr 0.05) for the tables. Shards run with ``--threads 1``
+and each worker process with ``(cores - shards) // workers`` torch threads,
+at least 1 (2 cores are shared by up to 8 processes; more threads than
+free cores make torch's OpenMP threads spin on cores the shards need:
+1 x 1 with 2 worker threads here ran at 102 ms/step, with 1 at 94).
 
 Systems:
 - ``shardps`` (the grid, ``--grid`` ``SxW``: S shards, W workers, default 1,
@@ -361,7 +362,7 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int) -> dic
 
     cfg = {"kind": kind, "workers": workers, "ids": num_ids, "batch": args.batch_size, "zipf": args.zipf,
            "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps,
-           "threads": max(1, (os.cpu_count() or 1) // workers)}
+           "threads": max(1, ((os.cpu_count() or 1) - shards) // workers)}
     with tempfile.TemporaryDirectory() as out, \
             LocalCluster(shards, min_workers=workers, extra_args=("--metrics-port", "0", "--threads", "1")) as cluster:
         cfg["shard_pids"] = [proc.pid for proc in cluster.processes]

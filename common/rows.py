@@ -24,7 +24,7 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 
-__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "placement_salt", "initial_rows", "salt", "check_ids", "ids_bytes", "ids_from",
+__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "placement_salt", "initial_rows", "initial_rows_salted", "salt", "check_ids", "ids_bytes", "ids_from",
            "rows_bytes", "rows_from", "state_widths"]
 
 #: Row-wise optimizers the shards run, with their hyperparameters (lr travels with every push) and defaults.
@@ -86,13 +86,21 @@ def shard_of_salted(ids: torch.Tensor, salts, num_shards: int) -> torch.Tensor:
 def initial_rows(name: str, ids: torch.Tensor, dim: int, seed: int, init_scale: float,
                  padding_idx: int = -1) -> torch.Tensor:
     """The rows ids start from: float32 ``[n, dim]`` for int64 ``ids`` ``[n]`` (see the module docstring)."""
-    base = mix(ids.reshape(-1, 1) ^ salt(name, seed))
-    z = mix(base + torch.arange(dim, dtype=torch.int64))
-    u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
-    rows = (u * 2.0 - 1.0) * float(init_scale)
+    rows = initial_rows_salted(ids, salt(name, seed), dim, init_scale)
     if padding_idx >= 0:
         rows[ids.reshape(-1) == padding_idx] = 0.0
     return rows
+
+
+def initial_rows_salted(ids: torch.Tensor, salts, dim: int, scales) -> torch.Tensor:
+    """:func:`initial_rows` of several tables' ids at once, bit for bit (padding rows not zeroed): ``salts``
+    each id's ``salt(name, seed)`` (an int, or int64 ``[n]``), ``scales`` its ``init_scale`` (a float, or
+    float32 ``[n]``). Returns float32 ``[n, dim]``."""
+    ids = ids.reshape(-1, 1)
+    base = mix(ids ^ (salts if isinstance(salts, int) else salts.reshape(-1, 1)))
+    z = mix(base + torch.arange(dim, dtype=torch.int64))
+    u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    return (u * 2.0 - 1.0) * (float(scales) if not isinstance(scales, torch.Tensor) else scales.reshape(-1, 1))
 
 
 def check_ids(ids: torch.Tensor, what: str, num_embeddings: int = 0) -> None:

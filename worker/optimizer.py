@@ -345,10 +345,13 @@ class DistributedOptimizer(RoundSteps, JobView):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._tables is not None:
-            self._tables.push()  # blocking: every shard took this step's rows (applied once every worker's are in)
+        # the tables' push is checked before anything is sent, and sent after the dense round is closed, so
+        # the shards apply the (small) dense round while the rows are on their way
+        rows = self._tables.prepare() if self._tables is not None else None
         own = self._own
         self._start_pull(None if own is None else own.prepare({k: p.grad for k, p in self._params.items()}))
+        if rows is not None:
+            self._tables.send(rows)  # blocking: every shard took this step's rows (applied once all are in)
         rnd = self._pulling
         if rnd.decide is not None:
             self.last_step_skipped = await_decision(rnd, self._options, self._optimizer, self._finish_pull)

@@ -30,7 +30,7 @@ from shardps.common.rows import mix
 
 _EMPTY, _TOMB = -1, -2
 _WINDOW = 8  # entries looked at per key in the first probe pass
-_WIDE = 64  # and in each later pass (the few keys left, in long clusters)
+_WIDE = 16  # and in each later pass (the few keys left, in long clusters)
 _TAG_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads tags over the id bits
 #: Tags an index takes: [0, MAX_TAG].
 MAX_TAG = 2**15 - 1
@@ -90,7 +90,7 @@ class IdIndex:
             hit = (self._gather(self.keys, at) == keys[:, None]) & (self._gather(self.tags, at) == tags[:, None]) & \
                 (st >= 0)
             found = hit.any(1)
-            place = torch.where(hit, at, 0).sum(1)  # at most one hit per key
+            place = (hit * at).sum(1)  # at most one hit per key
             go = ~found & (st != _EMPTY).all(1)  # neither the key nor an empty entry in the window: look further
             if active is None:
                 where = torch.where(found, place, -1)
@@ -126,35 +126,36 @@ class IdIndex:
             free = self._gather(self.slots, at) < 0
             count = free.cumsum(1)  # free entries up to each entry of the window
             width = window.numel()
-            off = torch.where(free, window, width).amin(1)  # each window's first free entry, in probe order
+            off = (count == 0).sum(1)  # each window's first free entry, in probe order (width: none)
             first = torch.where(off < width, (pos + off) & (self.cap - 1), self.cap)
             # keys whose first free entry is the same take its 1st, 2nd, ... free entry of their window by rank
             order = torch.argsort(first, stable=True)
-            sorted_first = first[order]
+            sorted_first = first.index_select(0, order)
             starts = torch.ones_like(sorted_first, dtype=torch.bool)
             starts[1:] = sorted_first[1:] != sorted_first[:-1]
             index = torch.arange(first.numel())
-            group_start = torch.cummax(torch.where(starts, index, 0), 0).values
-            rank = torch.empty_like(first)
-            rank[order] = index - group_start
+            group_start = torch.cummax(index * starts, 0).values
+            rank = torch.empty_like(first).index_copy_(0, order, index - group_start)
             pick = free & (count == rank[:, None] + 1)
-            has = pick.any(1)
-            hidx = has.nonzero().reshape(-1)
-            cand, cpos = pending[hidx], torch.where(pick, at, 0).sum(1)[hidx]
-            self.keys[cpos] = ids[cand]  # keys sharing an entry: one write wins, the check below finds it
-            self.tags[cpos] = tags[cand].to(torch.int16)
-            won = (self.keys[cpos] == ids[cand]) & (self.tags[cpos] == tags[cand])
-            wpos, wid = cpos[won], cand[won]
-            self.tombs -= int((self.slots[wpos] == _TOMB).sum())
-            self.slots[wpos] = slots[wid].to(torch.int32)
+            hidx = pick.any(1).nonzero().reshape(-1)
+            cand, cpos = pending.index_select(0, hidx), (pick * at).sum(1).index_select(0, hidx)
+            cand_ids, cand_tags = ids.index_select(0, cand), tags.index_select(0, cand)
+            self.keys.index_copy_(0, cpos, cand_ids)  # keys sharing an entry: one write wins, checked below
+            self.tags.index_copy_(0, cpos, cand_tags.to(torch.int16))
+            won = ((self.keys.index_select(0, cpos) == cand_ids) &
+                   (self.tags.index_select(0, cpos) == cand_tags)).nonzero().reshape(-1)
+            wpos, wid = cpos.index_select(0, won), cand.index_select(0, won)
+            self.tombs -= int((self.slots.index_select(0, wpos) == _TOMB).sum())
+            self.slots.index_copy_(0, wpos, slots.index_select(0, wid).to(torch.int32))
             # losers and keys without an entry look again from their window's first entry still free,
             # or a window further when the window is full
             keep = torch.ones(pending.numel(), dtype=torch.bool)
-            keep[hidx[won]] = False
-            if not bool(keep.any()):
+            keep[hidx.index_select(0, won)] = False
+            keep = keep.nonzero().reshape(-1)
+            if not keep.numel():
                 break
             nxt = pos + off  # off is the width where the window is full
-            pending, pos = pending[keep], nxt[keep] & (self.cap - 1)
+            pending, pos = pending.index_select(0, keep), nxt.index_select(0, keep) & (self.cap - 1)
             window = self._wide
         self.size += n
 

@@ -22,14 +22,12 @@ import math
 import torch
 
 
-def initial_state(optimizer: str, hyper: dict[str, float], n: int, dim: int) -> dict[str, torch.Tensor]:
-    """The state of ``n`` new rows: ``{name: float32 [n, width]}``."""
-    if optimizer == "adagrad":
-        return {"sum": torch.full((n, dim), hyper["initial_accumulator_value"], dtype=torch.float32)}
-    if optimizer == "rowwise_adagrad":
-        return {"sum": torch.full((n, 1), hyper["initial_accumulator_value"], dtype=torch.float32)}
+def initial_values(optimizer: str, hyper: dict[str, float]) -> dict[str, float]:
+    """The value every element of a new row's state starts from: ``{state name: value}``."""
+    if optimizer in ("adagrad", "rowwise_adagrad"):
+        return {"sum": float(hyper["initial_accumulator_value"])}
     if optimizer == "sparse_adam":
-        return {"exp_avg": torch.zeros(n, dim), "exp_avg_sq": torch.zeros(n, dim)}
+        return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
     return {}
 
 

@@ -35,12 +35,16 @@ from dataclasses import dataclass
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.rows import TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of_salted
+from shardps.common.rows import (
+    TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of_salted, state_widths,
+)
 from shardps.server.checks import shown
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
+from shardps.server.sparse import fused
 from shardps.server.sparse.index import IdIndex
+from shardps.server.sparse.slab import RowSlab
 from shardps.server.sparse.table import COUNTERS, RowTable
 
 log = logging.getLogger(__name__)
@@ -73,15 +77,22 @@ class SparseTables:
         self.store = store
         self.index = IdIndex()  # every table's ids, under the table's tag (its position in self.tables)
         self.tables: dict[str, RowTable] = {}
+        self.slabs: dict[tuple, RowSlab] = {}  # row storage per row shape, shared by the tables of that shape
         self.round = 0  # sparse rounds applied
         self.members: dict[str, int] = {}  # table member -> its last push number taken (-1: none yet)
         self.staged: dict[str, _Push] = {}
         self.failed: dict[str, ShardError] = {}
         self.applying = False
         self.rounds_seconds = 0.0
-        # the slots each (worker, table) pull found since the last update (compute thread only): a round
-        # whose push carries exactly those ids takes them instead of looking the ids up again
-        self._pulled: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # the slots and rows each (worker, table) pull found since the last update (compute thread only): a
+        # round whose push carries exactly those ids takes them instead of looking the ids up again
+        self._pulled: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
+        widths = state_widths(spec.optimizer, spec.embedding_dim)
+        key = (spec.embedding_dim, tuple(widths.items()))
+        slab = self.slabs.setdefault(key, RowSlab(spec.embedding_dim, widths))
+        return RowTable(spec, max_bytes, self.index, len(self.tables), slab)
 
     # ------------------------------------------------------------ declare
     def declare(self, request: pb.DeclareTablesRequest) -> pb.DeclareTablesReply:
@@ -114,7 +125,7 @@ class SparseTables:
         default = self.store.config.table_max_bytes
         for name, spec in specs.items():
             if name not in self.tables:
-                self.tables[name] = RowTable(spec, spec.max_bytes or default, self.index, len(self.tables))
+                self.tables[name] = self._new_table(spec, spec.max_bytes or default)
                 log.info("shard %d: sparse table %s (dim %d, %s) declared", self.store.config.shard_index,
                          shown(name), spec.embedding_dim, spec.optimizer)
         self.members.setdefault(request.worker_id, -1)
@@ -294,27 +305,24 @@ class SparseTables:
                 summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(
                     0, inverse, torch.cat([p[1] for p in parts]))
                 sightings = torch.bincount(inverse, minlength=unique.numel())
-            merged.append((table, unique, summed / len(pushes), sightings, parts[0][2]))
+            merged.append((table, unique, summed / len(pushes) if len(pushes) > 1 else summed, sightings, parts[0][2]))
         try:
-            found = self._slots_of(merged, pushes)
+            found, initial = self._slots_of(merged, pushes)
         finally:
             self._pulled = {}  # a round may change slots: what the pulls found is stale after it
-        growth = 0
-        for (table, unique, *_), slots in zip(merged, found):
-            table.check_room(unique, slots)
-            growth += int((slots < 0).sum()) * table.row_cost()
+        new = fused.new_counts(found)
+        for (table, *_), count in zip(merged, new):
+            table.check_room(count)
+        growth = sum(count * table.row_cost() for (table, *_), count in zip(merged, new))
         budget = self.store.config.memory_budget_bytes
         if growth and resident_bytes() + growth > budget:
             raise ResourceExhausted(
                 f"the round's new rows need about {growth} bytes more and the shard holds {resident_bytes()} bytes "
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
-        made = [(table, table.apply(ids, grad, sightings, lr, number, slots))
-                for (table, ids, grad, sightings, lr), slots in zip(merged, found)]
-        made = [(table, ids, slots) for table, (ids, slots) in made if ids.numel()]
-        if made:
-            self.index.insert(torch.cat([m[1] for m in made]), torch.cat([m[2] for m in made]),
-                              torch.cat([torch.full((m[1].numel(),), m[0].tag, dtype=torch.int64) for m in made]))
+        ids, slots, tags = fused.apply_round(merged, found, initial, number)
+        if ids.numel():
+            self.index.insert(ids, slots, tags)
         evicting = [t for t in self.tables.values() if t.evicts()]
         if evicting:  # every round, pushed or not; one pass over the index for all of them
             ids, slots, tags = self.index.items()
@@ -367,15 +375,19 @@ class SparseTables:
 
     def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str) -> list[torch.Tensor]:
         found = self.find(parts)
-        for (table, ids), slots in zip(parts, found):
-            self._pulled[worker, table.spec.name] = (ids, slots)
-        return [table.read(ids, slots) for (table, ids), slots in zip(parts, found)]
+        tables, ids = [t for t, _ in parts], [i for _, i in parts]
+        rows = fused.read_rows(tables, ids, found)
+        for table, i, slots, r in zip(tables, ids, found, rows):
+            self._pulled[worker, table.spec.name] = (i, slots, r)
+        return rows
 
-    def _slots_of(self, merged: list[tuple], pushes: list[_Push]) -> list[torch.Tensor]:
-        """The slot of each id of each merged table of a round (compute thread): from the pulls since the last
-        round where every push of the table carries exactly the ids its worker pulled (no round ran since,
-        so no slot changed), otherwise one index lookup for the rest."""
+    def _slots_of(self, merged: list[tuple], pushes: list[_Push]) -> tuple[list[torch.Tensor], list]:
+        """The slot of each id of each merged table of a round (compute thread), and the rows a pull read for
+        exactly those ids (None where none did): from the pulls since the last round where every push of the
+        table carries exactly the ids its worker pulled (no round ran since, so no slot changed), otherwise
+        one index lookup for the rest."""
         known: dict[int, torch.Tensor] = {}
+        initial: list[torch.Tensor | None] = [None] * len(merged)
         for k, (table, unique, *_) in enumerate(merged):
             name = table.spec.name
             mine = [p for p in pushes if name in p.tables]
@@ -383,7 +395,7 @@ class SparseTables:
             if not all(got is not None and torch.equal(got[0], p.tables[name][0]) for got, p in zip(pulled, mine)):
                 continue
             if len(mine) == 1:
-                known[k] = pulled[0][1]  # the round's ids are that push's, in its order
+                known[k], initial[k] = pulled[0][1], pulled[0][2]  # the round's ids are that push's, in its order
             else:
                 ids = torch.cat([got[0] for got in pulled])
                 slots = torch.empty(unique.numel(), dtype=torch.int64)
@@ -392,7 +404,7 @@ class SparseTables:
         rest = [k for k in range(len(merged)) if k not in known]
         for k, slots in zip(rest, self.find([(merged[k][0], merged[k][1]) for k in rest])):
             known[k] = slots
-        return [known[k] for k in range(len(merged))]
+        return [known[k] for k in range(len(merged))], initial
 
     async def _settled(self) -> None:
         """Wait (up to ``max_wait_seconds``) while a round is applied: reads between rounds see whole rounds."""
@@ -437,7 +449,7 @@ class SparseTables:
         self.round = int(entry.get("round", 0))
         for name, numbers in entry.get("tables", {}).items():
             spec = TableSpec.from_proto(pb.TableSpec.FromString(bytes.fromhex(numbers["spec"])))
-            table = RowTable(spec, spec.max_bytes or self.store.config.table_max_bytes, self.index, len(self.tables))
+            table = self._new_table(spec, spec.max_bytes or self.store.config.table_max_bytes)
             prefix = f"rows/{name}/"
             table.restore({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, numbers)
             self.tables[name] = table

@@ -310,6 +310,27 @@ def test_pulls_are_split_under_the_message_limit_and_an_oversized_push_is_refuse
         dist.close()
 
 
+def test_a_non_finite_row_gradient_is_refused_before_anything_is_pushed(shards):
+    """The tables' push is checked before the dense round is sent: a NaN in a row gradient raises at step()
+    and neither the dense parameters nor the rows change on the shards."""
+    reset(shards)
+    model, dist = attach(shards, lr=0.5)
+    try:
+        ids = torch.arange(6)
+        train(model, dist, [ids])
+        before = dist.tables.export("table")
+        versions = [s.version for s in dist.stats()]
+        dist.zero_grad()
+        (model(ids) * float("nan")).backward()
+        with pytest.raises(ValueError, match="gradient of table 'table' is not finite.*nothing was pushed"):
+            dist.step()
+        after = dist.tables.export("table")
+        assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
+        assert [s.version for s in dist.stats()] == versions
+    finally:
+        dist.close()
+
+
 def test_a_table_larger_than_one_message_exports_in_pages(shards):
     reset(shards)
     model, dist = attach(shards, kind="adagrad", embedding_dim=1024)  # about 12 MB of rows and state per shard

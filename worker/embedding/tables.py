@@ -124,6 +124,14 @@ def table_specs(opt: torch.optim.Optimizer,
     return out
 
 
+def _by_shard(name: str, ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
+    """Positions in ``ids`` (int64 ``[n]``) of the ids each shard holds (``shard_of``), in order: int64 per shard."""
+    if num_shards == 1:
+        return [torch.arange(ids.numel())]
+    where = shard_of(name, ids, num_shards)
+    return [(where == s).nonzero().reshape(-1) for s in range(num_shards)]
+
+
 class SparseTables:
     """One worker's sparse tables over ``clients`` (see the module docstring).
 
@@ -193,10 +201,9 @@ class SparseTables:
         for k, (name, ids) in enumerate(parts):
             if not ids.numel():
                 continue
-            where = shard_of(name, ids, num_shards)
             per_call = max(1, budget // (4 * dims[k] + 8))
-            for s in range(num_shards):
-                for piece in (where == s).nonzero().reshape(-1).split(per_call):  # replies within the limit
+            for s, mine in enumerate(_by_shard(name, ids, num_shards)):
+                for piece in mine.split(per_call):  # replies within the limit
                     if not piece.numel():
                         continue
                     cost = piece.numel() * (4 * dims[k] + 8)
@@ -219,7 +226,11 @@ class SparseTables:
 
         for got in self._pool.map(one, [s for s in range(num_shards) if requests[s]]):
             for k, piece, data in got:
-                outs[k][piece] = rows_from(data, piece.numel(), dims[k])
+                rows = rows_from(data, piece.numel(), dims[k])
+                if piece.numel() == outs[k].shape[0]:  # the whole part in one piece (one shard): no copy
+                    outs[k] = rows
+                else:
+                    outs[k].index_copy_(0, piece, rows)
                 self.pulled_bytes += len(data)
         return outs
 
@@ -229,11 +240,19 @@ class SparseTables:
             module.pending.clear()
 
     def push(self) -> None:
-        """Push this step's row gradients to every shard (all of them, rows or not) and forget the lookups.
+        """Push this step's row gradients to every shard (all of them, rows or not) and forget the lookups:
+        :meth:`send` of :meth:`prepare`.
+
+        Raises: see :meth:`prepare` and :meth:`send`.
+        """
+        self.send(self.prepare())
+
+    def prepare(self) -> list[pb.PushRowsRequest]:
+        """This step's push, one request per shard, checked (nothing is sent); forgets the step's lookups.
 
         Raises:
-            ValueError: a table's learning rate is not finite and >= 0, or another hyperparameter changed.
-            ShardRpcError: a shard refused the push (non-finite gradient, memory limit...).
+            ValueError: a table's learning rate is not finite and >= 0, another hyperparameter changed, a
+                gradient is not finite, or a request would pass the message limit. Nothing was pushed.
         """
         num_shards = len(self._clients)
         parts: list[list[pb.TableRows]] = [[] for _ in range(num_shards)]
@@ -255,21 +274,35 @@ class SparseTables:
                 grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
                 unique, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
-            where = shard_of(name, unique, num_shards)
-            for s in range(num_shards):
-                idx = (where == s).nonzero().reshape(-1)
-                parts[s].append(pb.TableRows(table=name, ids=ids_bytes(unique[idx]), grads=rows_bytes(summed[idx]),
+            if not bool(torch.isfinite(summed.sum())) and not bool(torch.isfinite(summed).all()):
+                raise ValueError(f"the gradient of table {name!r} is not finite (Inf or NaN); nothing was pushed: "
+                                 "lower the learning rate or the loss scale")
+            for s, idx in enumerate(_by_shard(name, unique, num_shards)):
+                if idx.numel() == unique.numel():  # every id on this shard (one shard): no copies
+                    mine_ids, mine_grads = unique, summed
+                else:
+                    mine_ids, mine_grads = unique.index_select(0, idx), summed.index_select(0, idx)
+                parts[s].append(pb.TableRows(table=name, ids=ids_bytes(mine_ids), grads=rows_bytes(mine_grads),
                                              lr=lr))
-        self._push += 1
-        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push,
+        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push + 1,
                                        tables=parts[s]) for s in range(num_shards)]
         sizes = [r.ByteSize() for r in requests]
         if max(sizes) > self._max_message_bytes - 1024:
             raise ValueError(f"this step's rows for shard {sizes.index(max(sizes))} take {max(sizes)} bytes, over the "
                              f"message limit of {self._max_message_bytes} bytes: raise WireOptions(max_message_bytes=) "
                              "(and the shards' --max-message-bytes), or use smaller batches; nothing was pushed")
-        self.pushed_bytes += sum(sizes)
-        list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(num_shards)))
+        self._push += 1
+        return requests
+
+    def send(self, requests: list[pb.PushRowsRequest]) -> None:
+        """Send :meth:`prepare`'s requests, every shard at once; returns once every shard took its push.
+
+        Raises:
+            ShardRpcError: a shard refused the push (the round of this worker's previous push was refused:
+                its reason) or could not be reached within the retry budget.
+        """
+        self.pushed_bytes += sum(r.ByteSize() for r in requests)
+        list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(len(requests))))
 
     def export(self, name: str) -> "TableExport":
         """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``)."""
