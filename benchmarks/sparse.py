@@ -31,6 +31,12 @@ Systems:
   them; ``num_embeddings=None``: any int64 id, rows made when first trained), their
   rows and Adagrad state on the shards; the MLPs are dense parameters of the
   same ``DistributedOptimizer`` (sync). Every worker is its own spawned process.
+  Each step, after its forward, the worker makes the next batch and calls
+  ``model.tables.prefetch`` on its ids (the shards look them up while the
+  step computes and answer once its push is applied: the next forward
+  only waits for the rows); the figures record ``prefetch``.
+- ``no_prefetch`` (``--systems noprefetch``): shardps 1 shard x 1 worker
+  without the prefetch, for comparison.
 - ``oracle``: the same model in one process, no shardps: ``nn.EmbeddingBag(N,
   16, mode="sum", sparse=True)`` tables, ``torch.optim.Adagrad`` on their
   sparse gradients, Adam on the MLPs, every core of the machine (torch's
@@ -180,13 +186,18 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)
         if self.collection:
-            out = self.tables({str(f): ids[f].view(-1, 1) for f in range(ids.shape[0])})
+            out = self.tables(features(ids))
             looked_up = [out[str(f)] for f in range(ids.shape[0])]
         else:
             looked_up = [t(ids[f].view(-1, 1)) for f, t in enumerate(self.tables)]
         z = torch.stack([x, *looked_up], dim=1)  # [B, 27, DIM]
         inter = torch.bmm(z, z.transpose(1, 2))[:, self.iu[0], self.iu[1]]
         return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The collection's input for ids ``[26, B]``: ``{"f": ids [B, 1]}``, one id per bag and sample."""
+    return {str(f): ids[f].view(-1, 1) for f in range(ids.shape[0])}
 
 
 def make_model(kind: str, num_ids: int) -> DLRM:
@@ -208,8 +219,27 @@ def unique_rows(ids: torch.Tensor) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- runs
+class _Counted:
+    """A prefetched PullRows call whose request and reply bytes are counted when its reply is read (in the step
+    whose forward uses it)."""
+
+    def __init__(self, request, future, counts: dict) -> None:
+        self._request, self._future, self._counts, self._seen = request, future, counts, False
+
+    def result(self, timeout=None):
+        reply = self._future.result(timeout)
+        if not self._seen:
+            self._counts["bytes"] += self._request.ByteSize() + reply.ByteSize()
+            self._seen = True
+        return reply
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
 def _count_calls(client, counts: dict) -> None:
-    """Count the protobuf bytes of ``client``'s PullRows and PushRows calls (requests and replies) in ``counts``."""
+    """Count the protobuf bytes of ``client``'s PullRows (blocking and prefetched) and PushRows calls (requests
+    and replies) in ``counts``."""
     for method in ("pull_rows", "push_rows"):
         inner = getattr(client, method)
 
@@ -219,6 +249,12 @@ def _count_calls(client, counts: dict) -> None:
             return reply
 
         setattr(client, method, wrapped)
+    started = client.pull_rows_future
+
+    def ahead(request):
+        return _Counted(request, started(request), counts)
+
+    client.pull_rows_future = ahead
 
 
 def _cpu(pids: list[int]) -> float:
@@ -258,17 +294,23 @@ def _worker(rank: int, cfg: dict, servers: str, out_dir: str) -> None:
     rows = 0
     start = wire = counted = dense_bytes = cpu = shards_cpu = 0.0
     losses = []
-    for step in range(cfg["warmup"] + cfg["steps"]):
+    total = cfg["warmup"] + cfg["steps"]
+    following = batch(0, rank, workers, per, n, cfg["zipf"], perm)
+    for step in range(total):
         if step == cfg["warmup"]:
             dist.synchronize()
             start, wire, dense_bytes = time.perf_counter(), counts["bytes"], _dense_bytes(dist)
             cpu, shards_cpu = time.process_time(), _cpu(cfg["shard_pids"]) if rank == 0 else 0.0
             counted = dist.tables.pushed_bytes + dist.tables.pulled_bytes if dist.tables else 0
-        x, ids, y = batch(step, rank, workers, per, n, cfg["zipf"], perm)
+        x, ids, y = following
         if step >= cfg["warmup"]:
             rows += unique_rows(ids)
         dist.zero_grad()
         loss = loss_fn(model(x, ids), y)
+        if step + 1 < total:
+            following = batch(step + 1, rank, workers, per, n, cfg["zipf"], perm)
+            if cfg.get("prefetch"):  # the next step's rows, looked up by the shards while this step computes
+                model.tables.prefetch(features(following[1]))
         loss.backward()
         dist.step()
         losses.append(loss.item())
@@ -356,11 +398,13 @@ def _summary(cfg: dict, rows: list[dict]) -> dict:
     return res
 
 
-def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int) -> dict:
-    """Train with ``workers`` spawned worker processes over ``shards`` shard processes; the figures."""
+def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int, prefetch: bool = True) -> dict:
+    """Train with ``workers`` spawned worker processes over ``shards`` shard processes; the figures.
+    ``prefetch``: sparse tables prefetch the next step's rows (``ShardedEmbeddingBagCollection.prefetch``)."""
     from shardps.worker import LocalCluster
 
     cfg = {"kind": kind, "workers": workers, "ids": num_ids, "batch": args.batch_size, "zipf": args.zipf,
+           "prefetch": kind == "sharded" and prefetch,
            "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps,
            "threads": max(1, ((os.cpu_count() or 1) - shards) // workers)}
     with tempfile.TemporaryDirectory() as out, \
@@ -375,6 +419,7 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int) -> dic
         rows = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(workers)]
         held = [_scrape(e["metrics"]) for e in cluster.endpoints] if kind == "sharded" else []
     res = {"shards": shards, "workers": workers, "ids_per_feature": num_ids, "worker_threads": cfg["threads"],
+           "prefetch": cfg["prefetch"],
            **_summary(cfg, rows)}
     if held:
         res["shard_rows"] = int(sum(h["rows"] for h in held))
@@ -436,7 +481,7 @@ def main() -> None:
     p.add_argument("--dense-ids", type=int, help="ids per feature of the dense-tables comparison "
                    "(default: the largest power of ten that fits, see the module docstring)")
     p.add_argument("--dense-steps", type=int, default=3, help="timed steps of the dense-tables run (default 3)")
-    p.add_argument("--systems", default="grid,oracle,dense", help="which parts to run (default all)")
+    p.add_argument("--systems", default="grid,noprefetch,oracle,dense", help="which parts to run (default all)")
     args = p.parse_args()
     if args.quick:
         args.ids, args.batch_size, args.steps, args.warmup = 10 ** 5, 512, 2, 2
@@ -458,6 +503,11 @@ def main() -> None:
             results["grid"][f"{shards}x{workers}"] = r
             if "error" not in r:
                 _log(_describe(label, r))
+    if "noprefetch" in systems:
+        label = "shardps 1 shard x 1 worker without prefetch"
+        results["no_prefetch"] = _attempt(label, run_shardps, "sharded", 1, 1, args, args.ids, False)
+        if "error" not in results["no_prefetch"]:
+            _log(_describe(label, results["no_prefetch"]))
     if "oracle" in systems:
         results["oracle"] = _attempt("oracle", run_oracle, args, oracle_ids)
         if "error" not in results["oracle"]:
@@ -481,7 +531,8 @@ def main() -> None:
     rows = []
     runs = [(f"shardps {k.replace('x', ' shards x ')} workers", r) for k, r in results["grid"].items()]
     runs += [(label, results[key]) for key, label in (
-        ("oracle", "oracle (1 process, torch sparse)"), ("dense_tables", "shardps, dense tables, 1x1"),
+        ("no_prefetch", "shardps 1x1, no prefetch"), ("oracle", "oracle (1 process, torch sparse)"),
+        ("dense_tables", "shardps, dense tables, 1x1"),
         ("sparse_at_dense_ids", "shardps, sparse tables, 1x1")) if key in results]
     for label, r in runs:
         if "error" in r:

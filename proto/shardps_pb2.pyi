@@ -474,20 +474,22 @@ class TableIds(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "table", "ids", "after_push", "tables")
+    __slots__ = ("worker_id", "session", "table", "ids", "after_push", "tables", "after_push_number")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_PUSH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PUSH_NUMBER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     table: str
     ids: bytes
     after_push: bool
     tables: _containers.RepeatedCompositeFieldContainer[TableIds]
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., after_push: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+    after_push_number: int
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., after_push: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., after_push_number: _Optional[int] = ...) -> None: ...
 
 class PullRowsReply(_message.Message):
     __slots__ = ("rows", "round", "parts")

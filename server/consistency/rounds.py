@@ -174,6 +174,7 @@ class Rounds(CommitExchange):
 
     def reset(self) -> None:
         """The job was reset (no members, nothing applying): drop everything, back to version 0."""
+        self.streamed.reset()
         self.forget()
         self.buffers = torch.empty(0, dtype=torch.uint8)
         self.pushed.clear()

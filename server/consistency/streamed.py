@@ -282,6 +282,22 @@ class StreamedRounds:
         if outbox is not None and error is not None:
             outbox.put_nowait(error)
 
+    def reset(self) -> None:
+        """The job was reset (no members): a round still open is dropped unapplied (its pushes came from members
+        that are gone, and its chunks follow the old job's plan), so the next job's rounds start afresh."""
+        rnd, self.current = self.current, None
+        if rnd is None:
+            return
+        rnd.error = rnd.error or Aborted(f"round {rnd.number} was dropped with its job (reset)")
+        for task in (rnd.task, *rnd.readers.values()):
+            if task is not None and not task.done():
+                task.cancel()
+        for outbox in rnd.outboxes.values():
+            outbox.put_nowait(rnd.error)
+        rnd.staging.clear()  # the job's buffers go with it
+        rnd.average = None
+        rnd.closed.set()
+
     # ------------------------------------------------------------------ membership
     def dropped(self, member: Member) -> None:
         """``member`` left or its lease ran out: the round goes on without its push (undone and applied again

@@ -24,7 +24,7 @@ import torch
 from shardps.common.rows import initial_rows_salted, salt
 from shardps.server.sparse import optimizers
 
-__all__ = ["new_counts", "read_rows", "apply_round"]
+__all__ = ["new_counts", "read_rows", "reread_rows", "apply_round", "found_in"]
 
 
 def _by_slab(tables: list) -> list[tuple[object, list[int]]]:
@@ -86,6 +86,30 @@ def read_rows(tables: list, ids: list[torch.Tensor], slots: list[torch.Tensor]) 
             table.counts["rows_pulled"] += ids[k].numel()
             if table.spec.padding_idx >= 0:
                 piece[ids[k] == table.spec.padding_idx] = 0.0
+    return out
+
+
+def reread_rows(tables: list, ids: list[torch.Tensor], before: list[torch.Tensor], slots: list[torch.Tensor],
+                rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``rows`` (float32 ``[n_k, dim]`` per table), read when ``ids[k]`` were at slots ``before[k]``, as they read
+    now that they are at ``slots[k]``: rows are read again from the slabs, ids that were not rows and still are
+    not keep their initial values, and ids no longer rows (evicted since) read as initial values again. New
+    tensors, same shapes."""
+    out: list[torch.Tensor | None] = [None] * len(tables)
+    for slab, group in _by_slab(tables):
+        sizes = [slots[k].numel() for k in group]
+        flat_rows = torch.cat([rows[k] for k in group])
+        flat_slots = torch.cat([slots[k] for k in group])
+        present = (flat_slots >= 0).nonzero().reshape(-1)
+        flat_rows.index_copy_(0, present, slab.weights.index_select(0, flat_slots.index_select(0, present)))
+        lost = ((flat_slots < 0) & (torch.cat([before[k] for k in group]) >= 0))
+        counts = _counts(lost, sizes)
+        if sum(counts):
+            where = lost.nonzero().reshape(-1)
+            flat_ids = torch.cat([ids[k] for k in group]).index_select(0, where)
+            flat_rows.index_copy_(0, where, _initial([tables[k] for k in group], flat_ids, counts, slab.dim))
+        for k, piece in zip(group, flat_rows.split(sizes)):
+            out[k] = piece
     return out
 
 
@@ -182,3 +206,33 @@ def _apply_slab(slab, parts: list[_Part], round_: int) -> tuple[torch.Tensor, ..
             slab.state[name].index_copy_(0, at, t)
     slab.touched.index_fill_(0, slots, round_)
     return made
+
+
+def found_in(found: list[torch.Tensor], parts: list[tuple], made_ids: torch.Tensor, made_tags: torch.Tensor,
+             made_slots: torch.Tensor, index) -> list[torch.Tensor]:
+    """``found`` (slots of ``parts`` ``[(table, int64 ids [n])]``, -1: not a row) after one round that made the
+    rows ``(made_ids, made_tags, made_slots)`` (int64 ``[m]`` each) and evicted none: the ids not found are
+    matched against the new rows (a sort and a binary search on a 64-bit mix of (tag, id), then an exact
+    comparison; an id whose mix matches another key is looked up in ``index``). Returns int64 ``[n]`` per part."""
+    flat = torch.cat(found)
+    missing = (flat < 0).nonzero().reshape(-1)
+    if not missing.numel() or not made_ids.numel():
+        return found
+    sizes = [i.numel() for _, i in parts]
+    ids = torch.cat([i for _, i in parts]).index_select(0, missing)
+    tags = torch.tensor([t.tag for t, _ in parts]).repeat_interleave(torch.tensor(sizes)).index_select(0, missing)
+    made_keys = index.keys_mix(made_ids, made_tags)
+    order = torch.argsort(made_keys)
+    sorted_keys = made_keys.index_select(0, order)
+    keys = index.keys_mix(ids, tags)
+    at = torch.searchsorted(sorted_keys, keys).clamp_(max=sorted_keys.numel() - 1)
+    cand = order.index_select(0, at)
+    same_mix = sorted_keys.index_select(0, at) == keys
+    hit = same_mix & (made_ids.index_select(0, cand) == ids) & (made_tags.index_select(0, cand) == tags)
+    flat = flat.clone()
+    where = hit.nonzero().reshape(-1)
+    flat[missing.index_select(0, where)] = made_slots.index_select(0, cand.index_select(0, where))
+    doubt = (same_mix & ~hit).nonzero().reshape(-1)  # another key with the same mix: ask the index
+    if doubt.numel():
+        flat[missing.index_select(0, doubt)] = index.find(ids.index_select(0, doubt), tags.index_select(0, doubt))
+    return list(flat.split(sizes))

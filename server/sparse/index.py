@@ -65,8 +65,14 @@ class IdIndex:
         """Bytes of the index's tensors."""
         return self.cap * 14
 
+    @staticmethod
+    def keys_mix(ids: torch.Tensor, tags) -> torch.Tensor:
+        """A 64-bit mix of each ``(tag, id)`` key (int64 ``[n]``): equal keys, equal mixes (the home position's
+        bits)."""
+        return mix(ids ^ (tags * _TAG_MUL))
+
     def _home(self, ids: torch.Tensor, tags) -> torch.Tensor:
-        return mix(ids ^ (tags * _TAG_MUL)) & (self.cap - 1)
+        return self.keys_mix(ids, tags) & (self.cap - 1)
 
     def _windows(self, pos: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """Table positions of the window starting at each of ``pos`` (int64 ``[n]``): int64 ``[n, window]``."""

@@ -87,6 +87,8 @@ class SparseTables:
         # the slots and rows each (worker, table) pull found since the last update (compute thread only): a
         # round whose push carries exactly those ids takes them instead of looking the ids up again
         self._pulled: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._applied = 0  # rounds whose update completed (compute thread)
+        self._made: tuple | None = None  # (_applied after it, ids, tags, slots, evicted) of the last round
 
     def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
         widths = state_widths(spec.optimizer, spec.embedding_dim)
@@ -323,12 +325,16 @@ class SparseTables:
         ids, slots, tags = fused.apply_round(merged, found, initial, number)
         if ids.numel():
             self.index.insert(ids, slots, tags)
+        made = (ids, tags, slots)
         evicting = [t for t in self.tables.values() if t.evicts()]
+        held = sum(t.rows for t in evicting)
         if evicting:  # every round, pushed or not; one pass over the index for all of them
             ids, slots, tags = self.index.items()
             for table in evicting:
                 mine = tags == table.tag
                 table.evict(number, (ids[mine], slots[mine]))
+        self._applied += 1
+        self._made = (self._applied, *made, sum(t.rows for t in evicting) < held)
         self.rounds_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------ pull
@@ -352,10 +358,17 @@ class SparseTables:
             raise InvalidArgument("a pull names a table twice: send each table's unique ids once")
         named = [self._table(name) for name, _ in wanted]
         parts = list(zip(named, self._ids([(t, data) for t, (_, data) in zip(named, wanted)], "the pull")))
-        if request.after_push:
-            w = request.worker_id
+        w, number, early = request.worker_id, request.after_push_number, None
+        if number and request.after_push:
+            raise InvalidArgument("a pull waits for after_push or for after_push_number, not both")
+        if number and not (self.members[w] >= number and w not in self.staged):
+            early = await self.store.run(self._look_ahead, parts)  # while push `number` is still to come
+        if request.after_push or number:
 
             def ready() -> bool:
+                if number:
+                    return (self.members.get(w, -1) >= number and w not in self.staged) or w not in self.members \
+                        or w in self.failed or self.store.closing
                 return w not in self.staged or w not in self.members or self.store.closing
 
             limit = self.store.config.max_wait_seconds if timeout is None else min(timeout,
@@ -368,15 +381,39 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if w in self.failed:
                 raise self.failed.pop(w)
-        rows = await self.store.run(self._read, parts, request.worker_id)
+        rows = await self.store.run(self._read, parts, request.worker_id, early)
         if request.tables:
             return pb.PullRowsReply(parts=[rows_bytes(r) for r in rows], round=self.round)
         return pb.PullRowsReply(rows=rows_bytes(rows[0]), round=self.round)
 
-    def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str) -> list[torch.Tensor]:
+    def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]]) -> tuple:
+        """A prefetch read before the round it waits for: ``(slots, rows, rounds applied so far)``; ids that are
+        not rows read as their initial values already (computed while the worker still computes)."""
         found = self.find(parts)
+        return found, fused.read_rows([t for t, _ in parts], [i for _, i in parts], found), self._applied
+
+    def _after_round(self, parts: list[tuple[RowTable, torch.Tensor]], early: tuple) -> list[torch.Tensor]:
+        """The slots of a prefetch's ids now, from its read ``early`` before the round it waited for: as they
+        were if no round ran since; if exactly one round ran and evicted nothing, those found keep their slots
+        (a slot is freed only by eviction) and those not found are looked for among the round's new rows;
+        otherwise looked up again."""
+        found, _, applied = early
+        if applied == self._applied:
+            return found
+        if self._made is not None and self._made[0] == applied + 1 == self._applied and not self._made[4]:
+            return fused.found_in(found, parts, *self._made[1:4], self.index)
+        return self.find(parts)
+
+    def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str, early: tuple | None = None
+              ) -> list[torch.Tensor]:
         tables, ids = [t for t, _ in parts], [i for _, i in parts]
-        rows = fused.read_rows(tables, ids, found)
+        if early is None:
+            found = self.find(parts)
+            rows = fused.read_rows(tables, ids, found)
+        else:  # a prefetch: the rows of ids that are rows now are read again, the others kept
+            found = self._after_round(parts, early)
+            rows = early[1] if early[2] == self._applied else \
+                fused.reread_rows(tables, ids, early[0], found, early[1])
         for table, i, slots, r in zip(tables, ids, found, rows):
             self._pulled[worker, table.spec.name] = (i, slots, r)
         return rows

@@ -10,7 +10,8 @@ mean of the two workers' losses (gradients averaged over workers, as for
 dense). The batches repeat ids within a batch and carry ids only one
 worker sees. Every row of every table must match within 1e-6. The same
 holds with the two bags looked up through a ``ShardedEmbeddingBagCollection``
-(several tables in one pull per shard).
+(several tables in one pull per shard), and with that collection prefetching
+the next step's rows while each step computes.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Net(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         if self.collection:
-            out = self.bags({"a": (batch["ids"], batch["offsets"], batch["weights"]), "b": batch["ids2d"]})
+            out = self.bags(features(batch))
             a, b = out["a"], out["b"]
         else:
             a = self.bag_sum(batch["ids"], batch["offsets"], per_sample_weights=batch["weights"])
@@ -113,8 +114,14 @@ def oracle(kind: str) -> Net:
     return model
 
 
-def train_sharded(kind: str, servers: str, worker: int, out: dict, collection: bool) -> None:
-    model = Net(sharded=True, collection=collection)
+def features(b: dict) -> dict:
+    return {"a": (b["ids"], b["offsets"], b["weights"]), "b": b["ids2d"]}
+
+
+def train_sharded(kind: str, servers: str, worker: int, out: dict, collection: str) -> None:
+    """``collection``: "" (the bags alone), "collection" (through one), "prefetch" (and each step prefetches the
+    next batch's rows; every fifth step it prefetches other ids, which the next forward drops)."""
+    model = Net(sharded=True, collection=bool(collection))
     dense, sparse = optimizers(kind, model)
     dist = DistributedOptimizer(dense, model.named_parameters(), servers=servers, model=model,
                                 worker_id=f"w{worker}", sparse_optimizer=sparse)
@@ -122,8 +129,13 @@ def train_sharded(kind: str, servers: str, worker: int, out: dict, collection: b
         for step in range(STEPS):
             dist.zero_grad()
             b = batches(worker, step)
-            nn.functional.mse_loss(model(b), b["y"]).backward()
+            loss = nn.functional.mse_loss(model(b), b["y"])
+            if collection == "prefetch":
+                model.bags.prefetch(features(batches(worker, step + 1 if step % 5 != 4 else step + 7)))
+            loss.backward()
             dist.step()
+        if collection == "prefetch":  # 16 forwards used their prefetch; 3 dropped one of other ids
+            assert dist.tables.prefetches == {"used": 16, "dropped": 3, "pulled_again": 0}, dist.tables.prefetches
         dist.synchronize()
         if worker == 0:
             out["tables"] = {name: dist.tables.export(name) for name in ("bag_sum", "bag_mean", "emb")}
@@ -139,8 +151,8 @@ def shards():
         yield cluster
 
 
-@pytest.mark.parametrize("kind,collection", [("sgd", False), ("adagrad", False), ("sparse_adam", False),
-                                             ("adagrad", True)])
+@pytest.mark.parametrize("kind,collection", [("sgd", ""), ("adagrad", ""), ("sparse_adam", ""),
+                                             ("adagrad", "collection"), ("sparse_adam", "prefetch")])
 def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind, collection):
     from shardps.worker.session.client import ShardClient
     for address in shards.addresses:  # a fresh job per optimizer

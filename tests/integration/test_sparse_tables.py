@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -10,7 +12,9 @@ from torch import nn
 
 from shardps.common.rows import ids_bytes, initial_rows, rows_bytes, rows_from, shard_of
 from shardps.proto import shardps_pb2 as pb
-from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, WireOptions
+from shardps.worker import (
+    DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, ShardedEmbeddingBagCollection, WireOptions,
+)
 from shardps.worker.session.client import ShardClient, ShardRpcError
 from tests.support.forked import ForkedCluster
 from tests.support.prom import scrape, value
@@ -146,6 +150,7 @@ def test_hostile_row_pushes_are_refused_and_stage_nothing(shards):
         assert "not both" in pull(table="table", ids=ids_bytes(mine), tables=[part]).details
         assert "not declared" in pull(tables=[part, pb.TableIds(table="nope", ids=ids_bytes(mine))]).details
         assert "does not hold" in pull(tables=[pb.TableIds(table="table", ids=ids_bytes(theirs))]).details
+        assert "not both" in pull(tables=[part], after_push=True, after_push_number=1).details
         reply = client.pull_rows(pb.PullRowsRequest(worker_id="w0", session=dist.session, tables=[part]))
         assert len(reply.parts) == 1 and not reply.rows
         assert torch.equal(rows_from(reply.parts[0], 3, 4), initial_rows("table", mine, 4, 0, 0.5))
@@ -327,6 +332,70 @@ def test_a_non_finite_row_gradient_is_refused_before_anything_is_pushed(shards):
         after = dist.tables.export("table")
         assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)
         assert [s.version for s in dist.stats()] == versions
+    finally:
+        dist.close()
+
+
+def test_a_round_left_open_by_a_step_that_raised_is_dropped_with_its_job(shards):
+    """A step that raises after backward leaves the round's streamed pushes open on the shards; once the job is
+    reset, the next job (another dense plan) starts its rounds afresh instead of joining that round."""
+    reset(shards)
+    model, dist = attach(shards)
+    try:
+        dist.zero_grad()
+        (model(torch.arange(4)) * float("nan")).backward()  # the dense gradients stream during backward
+        with pytest.raises(ValueError, match="not finite"):
+            dist.step()
+    finally:
+        dist.close()
+    reset(shards)
+    head = nn.Linear(3, 2)
+    dist = DistributedOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), head.named_parameters(),
+                                servers=shards.servers, model=head, worker_id="w0")
+    try:
+        for _ in range(2):
+            dist.zero_grad()
+            head(torch.ones(1, 3)).sum().backward()
+            dist.step()
+        dist.synchronize()
+        assert [s.version for s in dist.stats()] == [2] * len(shards.addresses)
+    finally:
+        dist.close()
+
+
+def test_a_prefetch_whose_step_raised_is_pulled_again_without_waiting(shards):
+    """A prefetch waits on the shards for the step's push; when step() refuses the push (nothing sent), the next
+    forward cancels it and pulls, at once, the rows as they are."""
+    reset(shards)
+    bags = ShardedEmbeddingBagCollection({"f": ShardedEmbeddingBag(None, 4, mode="sum", name="table")})
+    model = nn.ModuleDict({"bags": bags, "head": nn.Linear(4, 1)})
+    dist = DistributedOptimizer(torch.optim.SGD(model["head"].parameters(), lr=0.0), model.named_parameters(),
+                                servers=shards.servers, model=model, worker_id="w0",
+                                sparse_optimizer=torch.optim.SGD([bags.bags["f"].handle], lr=0.5))
+    ids = torch.arange(6).view(3, 2)
+    try:
+        for scale in (1.0, float("nan")):
+            dist.zero_grad()
+            loss = model["head"](bags({"f": ids})["f"]).sum() * scale
+            bags.prefetch({"f": ids})
+            loss.backward()
+            if scale == scale:
+                dist.step()
+        with pytest.raises(ValueError, match="not finite"):
+            dist.step()
+        began = time.monotonic()
+        with torch.no_grad():
+            rows = bags({"f": ids.view(-1, 1)})["f"]
+        assert time.monotonic() - began < 10.0
+        # the first prefetch was used; the second (its push refused) dropped: the forward above has other ids
+        assert dist.tables.prefetches == {"used": 1, "dropped": 1, "pulled_again": 0}
+        export = dist.tables.export("table")
+        assert torch.equal(rows, export.lookup(ids.view(-1)))
+        with torch.no_grad():
+            bags.prefetch({"f": ids})
+            rows = bags({"f": ids})["f"]  # no step since the prefetch: its push was never sent
+        assert dist.tables.prefetches["pulled_again"] == 1
+        assert torch.equal(rows, export.lookup(ids.view(-1)).view(3, 2, 4).sum(1))
     finally:
         dist.close()
 

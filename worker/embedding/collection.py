@@ -48,8 +48,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if not isinstance(bag, ShardedEmbeddingBag):
                 raise TypeError(f"bag {key!r} is a {type(bag).__name__}, not a ShardedEmbeddingBag")
         self.bags = nn.ModuleDict(bags)
+        self._prefetched: tuple | None = None  # (calls, SparseTables.prefetch) of prefetch(), until forward
 
-    def forward(self, features: Mapping[str, torch.Tensor | tuple]) -> dict[str, torch.Tensor]:
+    def _calls(self, features: Mapping[str, torch.Tensor | tuple]) -> list[tuple]:
+        """``[(key, bag, prepare_lookup(ids), offsets, per_sample_weights, ids)]`` of ``features``, checked."""
         unknown = [k for k in features if k not in self.bags]
         if unknown:
             raise KeyError(f"no bag for feature {unknown[0]!r} (bags: {', '.join(self.bags)})")
@@ -63,16 +65,66 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                     value, (tuple, list)) else ""))
             ids, offsets, weights = (*value, None, None)[:3]
             bag = self.bags[key]
-            calls.append((key, bag, bag.prepare_lookup(ids), offsets, weights))
+            calls.append((key, bag, bag.prepare_lookup(ids), offsets, weights, ids))
+        if calls and any(bag.tables is not calls[0][1].tables for _, bag, *_ in calls):
+            raise RuntimeError("the bags of a collection must be attached to the same DistributedOptimizer")
+        return calls
+
+    def prefetch(self, features: Mapping[str, torch.Tensor | tuple]) -> None:
+        """Start pulling the rows of ``features`` (what :meth:`forward` takes) for the forward after the next
+        ``step()``: call it after this step's forward and before ``step()``; the shards look the ids up while
+        the step computes and answer once its push is applied, so the next forward with the same ids (compared
+        exactly) waits only for the rows (TorchRec's prefetching train pipeline). A forward with other ids
+        drops the prefetch and pulls as usual; so does one where the prefetch could not be answered.
+
+        Raises: as :meth:`forward`, for the features.
+        """
+        self.drop_prefetch()
+        calls = [(*c[:5], c[5].clone()) for c in self._calls(features)]  # the ids as they are now
+        if calls:
+            tables = calls[0][1].tables
+            self._prefetched = (calls, tables.prefetch([(bag.name, prep[0]) for _, bag, prep, *_ in calls]))
+
+    def drop_prefetch(self) -> None:
+        """Cancel a :meth:`prefetch` not used yet (none: nothing happens)."""
+        pending, self._prefetched = self._prefetched, None
+        if pending is not None:
+            pending[1].drop(pending[0][0][1].tables)
+
+    def forward(self, features: Mapping[str, torch.Tensor | tuple]) -> dict[str, torch.Tensor]:
+        pending, self._prefetched = self._prefetched, None
+        if pending is not None and self._same_ids(pending[0], features):
+            calls = [(key, bag, prep, *self._extras(features[key]), ids) for key, bag, prep, _, _, ids in pending[0]]
+            rows = calls[0][1].tables.collect(pending[1])  # None: pull them below
+        else:
+            if pending is not None:
+                pending[1].drop(pending[0][0][1].tables)
+            calls, rows = self._calls(features), None
         if not calls:
             return {}
-        tables = calls[0][1].tables
-        if any(bag.tables is not tables for _, bag, *_ in calls):
-            raise RuntimeError("the bags of a collection must be attached to the same DistributedOptimizer")
-        rows = tables.pull_many([(bag.name, prep[0]) for _, bag, prep, _, _ in calls])
+        if rows is None:
+            rows = calls[0][1].tables.pull_many([(bag.name, prep[0]) for _, bag, prep, *_ in calls])
         out = {}
-        for (key, bag, (unique, inverse, pad), offsets, weights), got in zip(calls, rows):
+        for (key, bag, (unique, inverse, pad), offsets, weights, _), got in zip(calls, rows):
             weight, index, pad = bag.finish_lookup(unique, got, inverse, pad)
             out[key] = F.embedding_bag(index, weight, offsets, mode=bag.mode, per_sample_weights=weights,
                                        include_last_offset=bag.include_last_offset, padding_idx=pad)
         return out
+
+    @staticmethod
+    def _extras(value) -> tuple:
+        """``(offsets, per_sample_weights)`` of one feature value (None where not given)."""
+        value = (value,) if isinstance(value, torch.Tensor) else tuple(value)
+        return (*value[1:], None, None)[:2]
+
+    @staticmethod
+    def _same_ids(calls: list[tuple], features: Mapping) -> bool:
+        """Whether ``features`` name the same keys, in order, with equal ids as the prefetched ``calls``."""
+        if [c[0] for c in calls] != list(features):
+            return False
+        for (_, _, _, _, _, ids), value in zip(calls, features.values()):
+            now = value if isinstance(value, torch.Tensor) else (value[0] if isinstance(value, (tuple, list)) and
+                                                                 1 <= len(value) <= 3 else None)
+            if not isinstance(now, torch.Tensor) or now.dtype != ids.dtype or not torch.equal(now, ids):
+                return False
+        return True

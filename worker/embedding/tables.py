@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
@@ -29,7 +30,7 @@ from shardps.worker.embedding.export import TableExport, export_table
 from shardps.worker.embedding.modules import ShardedTable, is_table_handle, table_of
 from shardps.worker.session.client import ShardClient, ShardRpcError
 
-__all__ = ["RowWiseAdagrad", "SparseTables", "check_sparse_options", "table_specs"]
+__all__ = ["Prefetch", "RowWiseAdagrad", "SparseTables", "check_sparse_options", "table_specs"]
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -132,6 +133,29 @@ def _by_shard(name: str, ids: torch.Tensor, num_shards: int) -> list[torch.Tenso
     return [(where == s).nonzero().reshape(-1) for s in range(num_shards)]
 
 
+#: Codes of a failed prefetch after which the rows are pulled again (the pull rejoins or retries).
+_PULL_AGAIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION,
+               grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class Prefetch:
+    """A :meth:`SparseTables.prefetch` in flight: ``parts`` as asked, ``number`` the push it waits for,
+    ``calls`` ``[(shard, pieces, grpc future)]``."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], number: int, calls: list) -> None:
+        self.parts, self.number, self.calls = parts, number, calls
+
+    def cancel(self) -> None:
+        """End the calls still in flight (the shards stop waiting for them)."""
+        for _, _, call in self.calls:
+            call.cancel()
+
+    def drop(self, tables: "SparseTables") -> None:
+        """Cancel it unused, counted in ``tables.prefetches["dropped"]``."""
+        self.cancel()
+        tables.prefetches["dropped"] += 1
+
+
 class SparseTables:
     """One worker's sparse tables over ``clients`` (see the module docstring).
 
@@ -156,6 +180,8 @@ class SparseTables:
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
         self._push = 0
         self.pushed_bytes = self.pulled_bytes = 0
+        #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
+        self.prefetches = {"used": 0, "dropped": 0, "pulled_again": 0}
         self._declare(range(len(clients)))
         for module, _, _ in self.tables.values():
             module.attach(self)
@@ -192,40 +218,91 @@ class SparseTables:
             ShardRpcError: a shard refused (its message says why) or the round of the last push was refused.
             ValueError: a shard's reply does not have the rows asked for.
         """
+        plan = self._plan(parts)
+
+        def one(s: int) -> list[tuple[int, torch.Tensor, bytes]]:
+            got = []
+            for pieces in plan[s]:
+                request = self._request(parts, pieces, after_push=True)
+                got.extend(self._parts(s, pieces, self._call(s, lambda c: c.pull_rows(request))))
+            return got
+
+        return self._assemble(parts, self._pool.map(one, [s for s in range(len(plan)) if plan[s]]))
+
+    def prefetch(self, parts: list[tuple[str, torch.Tensor]]) -> "Prefetch":
+        """Start pulling ``parts`` (as :meth:`pull_many`) for the forward after this worker's next push: the
+        shards look the ids up now, while this step computes, and answer once that push is applied (with
+        the rows as they are then, so the result equals :meth:`pull_many` called after ``step()``; TorchRec's
+        prefetching train pipeline overlaps its input lookups the same way). :meth:`collect` reads it."""
+        plan = self._plan(parts)
+        number = self._push + 1
+        calls = [(s, pieces, self._clients[s].pull_rows_future(self._request(parts, pieces, after_push_number=number)))
+                 for s in range(len(plan)) for pieces in plan[s]]
+        return Prefetch(parts, number, calls)
+
+    def collect(self, prefetch: "Prefetch") -> list[torch.Tensor] | None:
+        """The rows of a :meth:`prefetch`, or None where they cannot be had from it (its push was never sent,
+        or a shard could not answer it: restarting, unreachable, or this worker must declare again); the
+        caller then pulls them (:meth:`pull_many`).
+
+        Raises:
+            ShardRpcError: a shard refused the pull (the round of the last push was refused: its reason).
+            ValueError: a shard's reply does not have the rows asked for.
+        """
+        if self._push < prefetch.number:  # its push was not sent (step() raised before): the shards would wait
+            prefetch.cancel()
+            self.prefetches["pulled_again"] += 1
+            return None
+        got = []
+        for s, pieces, call in prefetch.calls:
+            try:
+                got.append(self._parts(s, pieces, call.result()))
+            except grpc.RpcError as exc:
+                prefetch.cancel()
+                if exc.code() in _PULL_AGAIN:
+                    self.prefetches["pulled_again"] += 1
+                    return None
+                raise self._clients[s].error("pull_rows", exc) from None
+        self.prefetches["used"] += 1
+        return self._assemble(prefetch.parts, got)
+
+    def _plan(self, parts: list[tuple[str, torch.Tensor]]) -> list[list[list[tuple[int, torch.Tensor]]]]:
+        """Per shard, its calls, each a list of ``(part, positions of the part's ids)``: a call's reply stays
+        under half the message limit."""
         num_shards = len(self._clients)
-        dims = [self.tables[name][1].embedding_dim for name, _ in parts]
-        outs = [torch.empty(ids.numel(), dim) for (_, ids), dim in zip(parts, dims)]
         budget = self._max_message_bytes // 2
-        requests: list[list[list[tuple[int, torch.Tensor]]]] = [[] for _ in range(num_shards)]
+        plan: list[list[list[tuple[int, torch.Tensor]]]] = [[] for _ in range(num_shards)]
         sizes = [0] * num_shards
         for k, (name, ids) in enumerate(parts):
             if not ids.numel():
                 continue
-            per_call = max(1, budget // (4 * dims[k] + 8))
+            row = 4 * self.tables[name][1].embedding_dim + 8
             for s, mine in enumerate(_by_shard(name, ids, num_shards)):
-                for piece in mine.split(per_call):  # replies within the limit
+                for piece in mine.split(max(1, budget // row)):  # replies within the limit
                     if not piece.numel():
                         continue
-                    cost = piece.numel() * (4 * dims[k] + 8)
-                    if not requests[s] or sizes[s] + cost > budget:
-                        requests[s].append([])
+                    if not plan[s] or sizes[s] + piece.numel() * row > budget:
+                        plan[s].append([])
                         sizes[s] = 0
-                    requests[s][-1].append((k, piece))
-                    sizes[s] += cost
+                    plan[s][-1].append((k, piece))
+                    sizes[s] += piece.numel() * row
+        return plan
 
-        def one(s: int) -> list[tuple[int, torch.Tensor, bytes]]:
-            got = []
-            for pieces in requests[s]:
-                request = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, after_push=True, tables=[
-                    pb.TableIds(table=parts[k][0], ids=ids_bytes(parts[k][1][piece])) for k, piece in pieces])
-                reply = self._call(s, lambda c: c.pull_rows(request))
-                if len(reply.parts) != len(pieces):
-                    raise ValueError(f"shard {s} answered {len(reply.parts)} tables for a pull of {len(pieces)}")
-                got.extend((k, piece, data) for (k, piece), data in zip(pieces, reply.parts))
-            return got
+    def _request(self, parts, pieces, **wait) -> pb.PullRowsRequest:
+        return pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, **wait, tables=[
+            pb.TableIds(table=parts[k][0], ids=ids_bytes(parts[k][1][piece])) for k, piece in pieces])
 
-        for got in self._pool.map(one, [s for s in range(num_shards) if requests[s]]):
-            for k, piece, data in got:
+    @staticmethod
+    def _parts(s: int, pieces, reply: pb.PullRowsReply) -> list[tuple[int, torch.Tensor, bytes]]:
+        if len(reply.parts) != len(pieces):
+            raise ValueError(f"shard {s} answered {len(reply.parts)} tables for a pull of {len(pieces)}")
+        return [(k, piece, data) for (k, piece), data in zip(pieces, reply.parts)]
+
+    def _assemble(self, parts, got) -> list[torch.Tensor]:
+        dims = [self.tables[name][1].embedding_dim for name, _ in parts]
+        outs = [torch.empty(ids.numel(), dim) for (_, ids), dim in zip(parts, dims)]
+        for answers in got:
+            for k, piece, data in answers:
                 rows = rows_from(data, piece.numel(), dims[k])
                 if piece.numel() == outs[k].shape[0]:  # the whole part in one piece (one shard): no copy
                     outs[k] = rows

@@ -162,6 +162,11 @@ class ShardClient:
         """Rows of one table (a read: retried)."""
         return self._unary("pull_rows", self.stub.PullRows, request, repeatable=True)
 
+    def pull_rows_future(self, request: pb.PullRowsRequest) -> grpc.Future:
+        """Start a pull of rows without waiting (not retried): a ``grpc.Future`` (``result()`` raises
+        ``grpc.RpcError``; ``cancel()`` ends it)."""
+        return self.stub.PullRows.future(request, timeout=self.rpc_timeout)
+
     def push_rows(self, request: pb.PushRowsRequest) -> pb.PushRowsReply:
         """One step's row gradients; retried (a retry carries the same push number and is counted once)."""
         return self._unary("push_rows", self.stub.PushRows, request, repeatable=True)
