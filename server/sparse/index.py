@@ -38,7 +38,7 @@ MAX_TAG = 2**15 - 1
 
 class IdIndex:
     """A map from unique ``(tag, id)`` keys (``tag`` in ``[0, MAX_TAG]``, any int64 ``id``) to slots in
-    ``[0, 2**31)`` (see the module docstring). Not thread-safe.
+    ``[0, 2**31)`` (see the module docstring). Not thread-safe, except ``len`` and :meth:`nbytes`.
 
     ``tags`` arguments are an int (every id of the batch) or an int64 tensor ``[n]``, one per id.
     """
@@ -50,6 +50,7 @@ class IdIndex:
         self._alloc(cap)
         self.size = 0
         self._window, self._wide = torch.arange(_WINDOW), torch.arange(_WIDE)
+        self._later: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see insert_later
 
     def _alloc(self, cap: int) -> None:
         self.cap = cap
@@ -59,11 +60,23 @@ class IdIndex:
         self.tombs = 0
 
     def __len__(self) -> int:
-        return self.size
+        """Keys held, those of :meth:`insert_later` included (read-only: safe from a metrics thread)."""
+        return self.size + sum(ids.numel() for ids, _, _ in list(self._later))
 
     def nbytes(self) -> int:
-        """Bytes of the index's tensors."""
+        """Bytes of the index's tensors (read-only: safe from a metrics thread)."""
         return self.cap * 14
+
+    def insert_later(self, ids: torch.Tensor, slots: torch.Tensor, tags) -> None:
+        """:meth:`insert`, done by the next call of any other method (a round's new keys go in while the shard
+        would otherwise wait: after its answer, before the next lookup). ``tags``: int64 ``[n]``."""
+        if ids.numel():
+            self._later.append((ids, slots, torch.as_tensor(tags, dtype=torch.int64).expand(ids.numel())))
+
+    def _flush(self) -> None:
+        if self._later:
+            later, self._later = self._later, []
+            self.insert(*(torch.cat(parts) for parts in zip(*later)))
 
     @staticmethod
     def keys_mix(ids: torch.Tensor, tags) -> torch.Tensor:
@@ -112,6 +125,7 @@ class IdIndex:
 
     def find(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
         """The slot of each key (int64 ``[n]``), -1 where absent."""
+        self._flush()
         if not ids.numel():
             return torch.empty(0, dtype=torch.int64)
         where = self._locate(ids, tags)
@@ -119,6 +133,7 @@ class IdIndex:
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor, tags=0) -> None:
         """Add keys (unique, none present) with their ``slots`` (int64 ``[n]``)."""
+        self._flush()
         n = ids.numel()
         if not n:
             return
@@ -167,6 +182,7 @@ class IdIndex:
 
     def remove(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
         """Remove the keys present; returns their slots (int64, in ``ids``' order, absent ones left out)."""
+        self._flush()
         where = self._locate(ids, tags)
         where = where[where >= 0]
         slots = self.slots[where].to(torch.int64)
@@ -180,6 +196,7 @@ class IdIndex:
     def items(self, tag: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every ``(ids, slots, tags)`` held (under ``tag`` only, if given), int64 ``[n]`` each, in table order.
         One pass over the whole table."""
+        self._flush()
         used = self.slots >= 0
         if tag is not None:
             used &= self.tags == tag

@@ -323,8 +323,7 @@ class SparseTables:
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
         ids, slots, tags = fused.apply_round(merged, found, initial, number)
-        if ids.numel():
-            self.index.insert(ids, slots, tags)
+        self.index.insert_later(ids, slots, tags)  # a prefetch waiting for this round finds them in _made
         made = (ids, tags, slots)
         evicting = [t for t in self.tables.values() if t.evicts()]
         held = sum(t.rows for t in evicting)

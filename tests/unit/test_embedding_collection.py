@@ -21,3 +21,16 @@ def test_bad_bags_and_features_are_refused_before_any_pull():
     with pytest.raises(RuntimeError, match="not attached to shards yet"):
         coll({"a": ids})
     assert coll({}) == {}
+
+
+def test_the_batched_unique_equals_torch_unique_for_every_feature():
+    from shardps.worker.embedding.collection import unique_rows
+
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(-5, 5, (12,), generator=g) for _ in range(5)]  # one batch of five, many repeats
+    ids += [torch.randint(0, 100, (3, 4), generator=g), torch.randint(-2**62, 2**62, (7,), generator=g),
+            torch.empty(0, dtype=torch.int64)]
+    for t, (unique, inverse) in zip(ids, unique_rows(ids)):
+        want_unique, want_inverse = torch.unique(t.reshape(-1), return_inverse=True)
+        assert torch.equal(unique, want_unique) and torch.equal(inverse, want_inverse)
+        assert inverse.dtype == want_inverse.dtype

@@ -63,3 +63,15 @@ def test_tags_keep_equal_ids_of_different_tables_apart():
     assert index.remove(ids[:1], 3).tolist() == [10]
     assert index.find(ids, 3).tolist() == [-1, 11, 12] and index.find(ids, 0).tolist() == [0, 1, 2]
     assert len(index) == 11
+
+
+def test_keys_inserted_later_count_at_once_and_are_in_place_for_every_other_call():
+    index = IdIndex(capacity=16)
+    index.insert(torch.arange(10), torch.arange(10))
+    index.insert_later(torch.arange(10, 40), torch.arange(10, 40), torch.zeros(30, dtype=torch.int64))
+    index.insert_later(torch.arange(40, 45), torch.arange(40, 45), torch.zeros(5, dtype=torch.int64))
+    assert len(index) == 45 and index.size == 10  # counted, not placed yet (len is safe from another thread)
+    assert index.find(torch.tensor([3, 12, 44, 45])).tolist() == [3, 12, 44, -1]  # placed by the lookup
+    index.insert_later(torch.arange(50, 53), torch.arange(50, 53), torch.zeros(3, dtype=torch.int64))
+    assert index.remove(torch.tensor([51, 0])).tolist() == [51, 0]
+    _check(index, {i: i for i in [*range(1, 45), 50, 52]}, torch.arange(-3, 60))

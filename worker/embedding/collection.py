@@ -24,6 +24,28 @@ from shardps.worker.embedding.modules import ShardedEmbeddingBag
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 
+def unique_rows(ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``torch.unique(t.reshape(-1), return_inverse=True)`` of each int64 tensor of ``ids`` (CPU results), the
+    tensors with as many ids as each other sorted as one batch (one ``sort`` of ``[k, n]`` instead of k calls:
+    a DLRM's 26 features in one go). Same values as ``torch.unique``: sorted unique ids, int64 inverse."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ids)
+    groups: dict[int, list[int]] = {}
+    for k, t in enumerate(ids):
+        groups.setdefault(t.numel(), []).append(k)
+    for n, members in groups.items():
+        if n == 0 or len(members) == 1:
+            for k in members:
+                out[k] = torch.unique(ids[k].reshape(-1).cpu(), return_inverse=True)
+            continue
+        rows, order = torch.stack([ids[k].reshape(-1).cpu() for k in members]).sort(dim=1)
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[:, 1:] = rows[:, 1:] != rows[:, :-1]
+        inverse = torch.empty_like(order).scatter_(1, order, first.cumsum(1) - 1)
+        for k, unique, inv in zip(members, rows[first].split(first.sum(1).tolist()), inverse):
+            out[k] = (unique, inv)
+    return out
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Several :class:`ShardedEmbeddingBag` under their keys, looked up together.
 
@@ -64,11 +86,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                 f"got {type(value).__name__}" + (f" of {len(value)}" if isinstance(
                                     value, (tuple, list)) else ""))
             ids, offsets, weights = (*value, None, None)[:3]
-            bag = self.bags[key]
-            calls.append((key, bag, bag.prepare_lookup(ids), offsets, weights, ids))
+            self.bags[key].check_lookup(ids)
+            calls.append((key, self.bags[key], ids, offsets, weights))
         if calls and any(bag.tables is not calls[0][1].tables for _, bag, *_ in calls):
             raise RuntimeError("the bags of a collection must be attached to the same DistributedOptimizer")
-        return calls
+        found = unique_rows([ids for _, _, ids, _, _ in calls])
+        return [(key, bag, bag.prepare_lookup(ids, got), offsets, weights, ids)
+                for (key, bag, ids, offsets, weights), got in zip(calls, found)]
 
     def prefetch(self, features: Mapping[str, torch.Tensor | tuple]) -> None:
         """Start pulling the rows of ``features`` (what :meth:`forward` takes) for the forward after the next

@@ -92,8 +92,8 @@ class ShardedTable(nn.Module):
         self.tables = tables
         self.pending.clear()
 
-    def prepare_lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """``(unique ids to pull [m], local index of each id (ids' shape, CPU), local padding index or None)``.
+    def check_lookup(self, ids: torch.Tensor) -> None:
+        """Refuse ids this table cannot look up.
 
         Raises:
             RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
@@ -103,7 +103,18 @@ class ShardedTable(nn.Module):
             raise RuntimeError(f"{what} is not attached to shards yet: pass its handle to "
                                "DistributedOptimizer(..., sparse_optimizer=) before the first forward")
         check_ids(ids, what, self.num_embeddings or 0)
-        unique, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
+
+    def prepare_lookup(self, ids: torch.Tensor, unique_inverse: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """``(unique ids to pull [m], local index of each id (ids' shape, CPU), local padding index or None)``.
+        ``unique_inverse``: ``torch.unique(ids.reshape(-1), return_inverse=True)`` when the caller has it.
+
+        Raises:
+            RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
+        """
+        self.check_lookup(ids)
+        unique, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True) if unique_inverse is None \
+            else unique_inverse
         pad = None
         if self.padding_idx is not None:
             is_pad = unique == self.padding_idx

@@ -179,6 +179,7 @@ class SparseTables:
         self.tables = table_specs(optimizer, model)
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
         self._push = 0
+        self._sizes: list[int] = []  # bytes of each request of the last prepare()
         self.pushed_bytes = self.pulled_bytes = 0
         #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
         self.prefetches = {"used": 0, "dropped": 0, "pulled_again": 0}
@@ -369,16 +370,18 @@ class SparseTables:
                              f"message limit of {self._max_message_bytes} bytes: raise WireOptions(max_message_bytes=) "
                              "(and the shards' --max-message-bytes), or use smaller batches; nothing was pushed")
         self._push += 1
+        self._sizes = sizes
         return requests
 
     def send(self, requests: list[pb.PushRowsRequest]) -> None:
-        """Send :meth:`prepare`'s requests, every shard at once; returns once every shard took its push.
+        """Send the requests of the last :meth:`prepare`, every shard at once; returns once every shard took
+        its push.
 
         Raises:
             ShardRpcError: a shard refused the push (the round of this worker's previous push was refused:
                 its reason) or could not be reached within the retry budget.
         """
-        self.pushed_bytes += sum(r.ByteSize() for r in requests)
+        self.pushed_bytes += sum(self._sizes)  # measured by prepare()
         list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(len(requests))))
 
     def export(self, name: str) -> "TableExport":
