@@ -178,7 +178,8 @@ class SparseTables:
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
-        self._push = 0
+        self._push = 0  # pushes prepared (numbered)
+        self._sent = 0  # the last push every shard took
         self._sizes: list[int] = []  # bytes of each request of the last prepare()
         self.pushed_bytes = self.pulled_bytes = 0
         #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
@@ -242,15 +243,15 @@ class SparseTables:
         return Prefetch(parts, number, calls)
 
     def collect(self, prefetch: "Prefetch") -> list[torch.Tensor] | None:
-        """The rows of a :meth:`prefetch`, or None where they cannot be had from it (its push was never sent,
-        or a shard could not answer it: restarting, unreachable, or this worker must declare again); the
+        """The rows of a :meth:`prefetch`, or None where they cannot be had from it (its push was not taken by
+        every shard, or a shard could not answer it: restarting, unreachable, or this worker must declare again); the
         caller then pulls them (:meth:`pull_many`).
 
         Raises:
             ShardRpcError: a shard refused the pull (the round of the last push was refused: its reason).
             ValueError: a shard's reply does not have the rows asked for.
         """
-        if self._push < prefetch.number:  # its push was not sent (step() raised before): the shards would wait
+        if self._sent < prefetch.number:  # its push was not sent or not taken (step() raised): the shards would wait
             prefetch.cancel()
             self.prefetches["pulled_again"] += 1
             return None
@@ -383,6 +384,7 @@ class SparseTables:
         """
         self.pushed_bytes += sum(self._sizes)  # measured by prepare()
         list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(len(requests))))
+        self._sent = requests[0].push
 
     def export(self, name: str) -> "TableExport":
         """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``)."""
