@@ -237,6 +237,46 @@ def test_a_killed_shard_resumes_rows_and_optimizer_state_bit_exact_from_its_chec
         dist.close()
 
 
+def test_a_prefetch_cut_by_a_shard_restart_is_pulled_again(tmp_path):
+    """A shard SIGKILLed while a prefetch waits on it: the prefetch fails (UNAVAILABLE), the next forward pulls
+    the rows again (rejoining and declaring on the restarted shard) and training goes on."""
+    with ForkedCluster(2, extra_args=("--checkpoint-dir", str(tmp_path))) as shards:  # its own checkpoints
+        _prefetch_through_a_restart(shards)
+
+
+def _prefetch_through_a_restart(shards) -> None:
+    bags = ShardedEmbeddingBagCollection({"f": ShardedEmbeddingBag(64, 4, mode="sum", name="table")})
+    model = nn.ModuleDict({"bags": bags, "head": nn.Linear(4, 1)})
+    dist = DistributedOptimizer(torch.optim.SGD(model["head"].parameters(), lr=0.0), model.named_parameters(),
+                                servers=shards.servers, model=model, worker_id="w0",
+                                sparse_optimizer=torch.optim.SGD([bags.bags["f"].handle], lr=0.5))
+    ids = torch.arange(32).view(16, 2)  # rows on both shards
+    try:
+        for restart in (False, True, False):
+            if restart:  # a checkpoint between steps, for the restarted shard to resume from
+                dist.synchronize()
+                for address in shards.addresses:
+                    client = ShardClient(address, index=0)
+                    try:
+                        client.checkpoint()
+                    finally:
+                        client.close()
+            dist.zero_grad()
+            loss = model["head"](bags({"f": ids})["f"]).sum()
+            bags.prefetch({"f": ids})
+            loss.backward()
+            if restart:
+                shards.restart(0, same_port=True)  # SIGKILL while the prefetch waits for this step's push
+            dist.step()
+        dist.synchronize()
+        assert dist.tables.prefetches["pulled_again"] >= 1 and dist.tables.prefetches["used"] >= 1
+        with torch.no_grad():
+            rows = bags({"f": ids.view(-1, 1)})["f"]
+        assert torch.equal(rows, dist.tables.export("table").weight()[ids.view(-1)])
+    finally:
+        dist.close()
+
+
 def test_an_exported_bounded_table_loads_into_a_plain_embedding_bag_with_the_same_outputs(shards):
     reset(shards)
     bag = ShardedEmbeddingBag(20, 4, mode="mean", name="table")

@@ -27,7 +27,8 @@ class ForwardWaits:
         keys: ``{id(tensor): key}`` of the parameters and buffers in the plan.
         pending: the round whose tensors are still arriving, or None.
         finish: waits for the whole pending pull (and raises its error).
-        timeout: seconds a forward waits for its tensors before raising.
+        timeout: seconds a forward waits for its own tensors before it waits for the whole pull instead
+            (``finish``: its error raised, or a restarted shard's partition pulled again by the recovery).
     """
 
     def __init__(self, model: torch.nn.Module, keys: dict[int, str], pending: Callable[[], Round | None],
@@ -76,8 +77,10 @@ class ForwardWaits:
             event = rnd.ready.get(key)  # None for an empty tensor: nothing to wait for
             while event is not None and not event.wait(0.05):  # blocking wait for this module's chunks
                 if rnd.failed() is not None or time.monotonic() > deadline:
-                    self.finish()  # raises the pull's error
-                    raise TimeoutError(f"{key!r} did not arrive within {self.timeout:.0f}s")
+                    # the whole pull's outcome: its error raised, or (a shard restarted and was rejoined) the
+                    # partition pulled again by the recovery, so every tensor is in place without its event
+                    self.finish()
+                    return
 
     def remove(self) -> None:
         for h in self.hooks:
