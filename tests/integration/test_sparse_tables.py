@@ -52,13 +52,18 @@ def train(model, dist, batches) -> None:
     dist.synchronize()
 
 
-def reset(cluster) -> None:
+def on_every_shard(cluster, call: str) -> None:
+    """``ShardClient.<call>()`` on every shard of ``cluster`` (``reset``, ``checkpoint``)."""
     for address in cluster.addresses:
         client = ShardClient(address, index=0)
         try:
-            client.reset()
+            getattr(client, call)()
         finally:
             client.close()
+
+
+def reset(cluster) -> None:
+    on_every_shard(cluster, "reset")
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3])
@@ -213,12 +218,7 @@ def test_a_killed_shard_resumes_rows_and_optimizer_state_bit_exact_from_its_chec
     try:
         g = torch.Generator().manual_seed(0)
         train(model, dist, [torch.randint(0, 64, (16,), generator=g) for _ in range(5)])
-        for address in shards.addresses:
-            client = ShardClient(address, index=0)
-            try:
-                client.checkpoint()
-            finally:
-                client.close()
+        on_every_shard(shards, "checkpoint")
         before = dist.tables.export("table")
         shards.restart(0, same_port=True)  # SIGKILL, then a new process on the same directory
         client = ShardClient(shards.addresses[0], index=0)
@@ -255,12 +255,7 @@ def _prefetch_through_a_restart(shards) -> None:
         for restart in (False, True, False):
             if restart:  # a checkpoint between steps, for the restarted shard to resume from
                 dist.synchronize()
-                for address in shards.addresses:
-                    client = ShardClient(address, index=0)
-                    try:
-                        client.checkpoint()
-                    finally:
-                        client.close()
+                on_every_shard(shards, "checkpoint")
             dist.zero_grad()
             loss = model["head"](bags({"f": ids})["f"]).sum()
             bags.prefetch({"f": ids})
