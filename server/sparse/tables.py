@@ -28,7 +28,6 @@ import bisect
 import itertools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -42,18 +41,13 @@ from shardps.server.checks import shown
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
+from shardps.server.membership.admission import resident_bytes
 from shardps.server.sparse import fused
 from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.slab import RowSlab
 from shardps.server.sparse.table import COUNTERS, RowTable
 
 log = logging.getLogger(__name__)
-
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux ``/proc/self/statm``), bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
 
 #: Tables one job may declare (metric labels stay bounded).
 MAX_TABLES = 64

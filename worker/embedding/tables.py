@@ -292,7 +292,8 @@ class SparseTables:
 
     def _request(self, parts, pieces, **wait) -> pb.PullRowsRequest:
         return pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, **wait, tables=[
-            pb.TableIds(table=parts[k][0], ids=ids_bytes(parts[k][1][piece])) for k, piece in pieces])
+            pb.TableIds(table=parts[k][0], ids=ids_bytes(ids if piece.numel() == ids.numel() else ids[piece]))
+            for k, piece in pieces for ids in (parts[k][1],)])
 
     @staticmethod
     def _parts(s: int, pieces, reply: pb.PullRowsReply) -> list[tuple[int, torch.Tensor, bytes]]:
