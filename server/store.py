@@ -24,13 +24,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import FLOAT_DTYPES
 from shardps.server import checks
 from shardps.server.snapshots.checkpoints import Checkpoints
 from shardps.server.checks import shown
+from shardps.server.compute import DENSE, PriorityExecutor
 from shardps.server.config import ShardConfig
 from shardps.server.errors import (
     Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable,
@@ -77,7 +78,7 @@ class ShardStore:
                  metrics: ShardMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else ShardMetrics(config.shard_index)
-        self._compute = compute or ThreadPoolExecutor(1, thread_name_prefix="shard-compute")
+        self._compute = compute or PriorityExecutor("shard-compute")
         self.notifier = Notifier()
         self._closing = False
         self.members = Membership(config.max_workers, config.lease_seconds)
@@ -140,8 +141,12 @@ class ShardStore:
         """Calls waiting now for a version (at most ``config.max_waiting``)."""
         return self._waiting
 
-    async def run(self, fn, *args):
-        """Run ``fn(*args)`` on the compute thread, one piece of work at a time; the loop keeps serving meanwhile."""
+    async def run(self, fn, *args, priority: int = DENSE):
+        """Run ``fn(*args)`` on the compute thread, one piece of work at a time; the loop keeps serving meanwhile.
+        ``priority`` (``server.compute``: ``DENSE``, ``SPARSE``, ``IDLE``) orders the queued work when the
+        compute executor is a ``PriorityExecutor`` (the default); submission order within a priority."""
+        if isinstance(self._compute, PriorityExecutor):
+            return await asyncio.wrap_future(self._compute.submit_at(priority, fn, *args))
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def check_open(self) -> None:

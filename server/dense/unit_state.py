@@ -10,11 +10,11 @@ also keeps the copies a streamed round needs to undo what it applied
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Collection
 
 import torch
 
+from shardps.common.codec import finite
 
 #: Elements of each scratch parameter the join-time trial step runs on.
 TRIAL_ELEMENTS = 64
@@ -25,9 +25,6 @@ class StateError(ValueError):
     """Optimizer state to load that does not fit this shard's parameters or optimizer."""
 
 
-def finite(t: torch.Tensor) -> bool:
-    """True if every element of ``t`` is finite: a cache-hot sum, the exact test only if the sum is not finite."""
-    return t.numel() == 0 or math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
 
 
 def per_element_entries(state: dict, numel: int) -> dict:

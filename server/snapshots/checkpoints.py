@@ -168,8 +168,8 @@ class Checkpoints:
         """
         store = self.store
         async with self._lock:
-            while store.rounds.applying or store.tables.applying:
-                await store.notifier.wait_for(lambda: not (store.rounds.applying or store.tables.applying),
+            while store.rounds.applying or not store.tables.settled():  # the sparse snapshot reads on this thread
+                await store.notifier.wait_for(lambda: not store.rounds.applying and store.tables.settled(),
                                               store.config.max_wait_seconds)
             job, rounds = store.job, store.rounds
             if self.directory is None or job is None or not job.initialised:

@@ -68,12 +68,19 @@ class IdIndex:
         return self.cap * 14
 
     def insert_later(self, ids: torch.Tensor, slots: torch.Tensor, tags) -> None:
-        """:meth:`insert`, done by the next call of any other method (a round's new keys go in while the shard
-        would otherwise wait: after its answer, before the next lookup). ``tags``: int64 ``[n]``."""
+        """:meth:`insert`, done by :meth:`flush` or the next call of any other method (a round's new keys go in
+        while the shard would otherwise wait: after its answer, before the next lookup). ``tags``: int64 ``[n]``."""
         if ids.numel():
             self._later.append((ids, slots, torch.as_tensor(tags, dtype=torch.int64).expand(ids.numel())))
 
-    def _flush(self) -> None:
+    @property
+    def pending(self) -> bool:
+        """Whether keys of :meth:`insert_later` wait for :meth:`flush`."""
+        return bool(self._later)
+
+    def flush(self) -> None:
+        """Insert what :meth:`insert_later` holds now (every other method does it first; a caller with idle
+        time does it early)."""
         if self._later:
             later, self._later = self._later, []
             self.insert(*(torch.cat(parts) for parts in zip(*later)))
@@ -125,7 +132,7 @@ class IdIndex:
 
     def find(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
         """The slot of each key (int64 ``[n]``), -1 where absent."""
-        self._flush()
+        self.flush()
         if not ids.numel():
             return torch.empty(0, dtype=torch.int64)
         where = self._locate(ids, tags)
@@ -133,7 +140,7 @@ class IdIndex:
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor, tags=0) -> None:
         """Add keys (unique, none present) with their ``slots`` (int64 ``[n]``)."""
-        self._flush()
+        self.flush()
         n = ids.numel()
         if not n:
             return
@@ -182,7 +189,7 @@ class IdIndex:
 
     def remove(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
         """Remove the keys present; returns their slots (int64, in ``ids``' order, absent ones left out)."""
-        self._flush()
+        self.flush()
         where = self._locate(ids, tags)
         where = where[where >= 0]
         slots = self.slots[where].to(torch.int64)
@@ -196,7 +203,7 @@ class IdIndex:
     def items(self, tag: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every ``(ids, slots, tags)`` held (under ``tag`` only, if given), int64 ``[n]`` each, in table order.
         One pass over the whole table."""
-        self._flush()
+        self.flush()
         used = self.slots >= 0
         if tag is not None:
             used &= self.tags == tag

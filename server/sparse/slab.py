@@ -68,6 +68,11 @@ class RowSlab:
         self._grow(self.used)
         return torch.cat([reuse, fresh])
 
+    def reserve(self, n: int) -> None:
+        """Grow now (if needed) so that :meth:`take` of ``n`` slots does not grow: a caller with idle time
+        moves the copy of a doubling off the next round's critical path."""
+        self._grow(self.used + max(0, n - self.free.numel()))
+
     def release(self, slots: torch.Tensor) -> None:
         """Free ``slots`` (int64 ``[n]``, in use): they read as free (touched -1) and are handed out again."""
         self.touched[slots] = -1

@@ -24,10 +24,7 @@ on the store's compute thread, one at a time (``store.run``).
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -35,15 +32,17 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.rows import (
-    TableSpec, check_ids, ids_bytes, ids_from, rows_bytes, rows_from, shard_of_salted, state_widths,
+    TableSpec, ids_bytes, rows_bytes, state_widths,
 )
 from shardps.server.checks import shown
+from shardps.server.compute import IDLE, SPARSE
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
 from shardps.server.membership.admission import resident_bytes
 from shardps.server.sparse import fused
 from shardps.server.sparse.index import IdIndex
+from shardps.server.sparse.requests import checked_ids, staged_rows
 from shardps.server.sparse.slab import RowSlab
 from shardps.server.sparse.table import COUNTERS, RowTable
 
@@ -83,6 +82,8 @@ class SparseTables:
         self._pulled: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._applied = 0  # rounds whose update completed (compute thread)
         self._made: tuple | None = None  # (_applied after it, ids, tags, slots, evicted) of the last round
+        self._flushing = False  # an index flush is queued (see _flush)
+        self._grew: dict = {}  # {RowSlab: rows the last round added to it} (compute thread)
 
     def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
         widths = state_widths(spec.optimizer, spec.embedding_dim)
@@ -139,35 +140,6 @@ class SparseTables:
             raise FailedPrecondition(f"sparse table {shown(name)} is not declared on this shard")
         return table
 
-    def _ids(self, parts: list[tuple[RowTable, bytes]], what: str) -> list[torch.Tensor]:
-        """The int64 ids of each ``(table, bytes)`` part, checked (bounds of bounded tables, and that this shard
-        holds every id: one placement pass over all the parts).
-
-        Raises:
-            InvalidArgument: malformed ids, an id out of a bounded table's range, ids of another shard (the
-                message names the table).
-        """
-        out = []
-        for table, data in parts:
-            try:
-                ids = ids_from(data)
-                if table.spec.num_embeddings:
-                    check_ids(ids, f"table {table.spec.name!r}", table.spec.num_embeddings)
-            except ValueError as exc:
-                raise InvalidArgument(f"{what} of table {shown(table.spec.name)}: {exc}") from None
-            out.append(ids)
-        cfg = self.store.config
-        sizes = [i.numel() for i in out]
-        if cfg.num_shards > 1 and sum(sizes):
-            salts = torch.cat([torch.full((n,), t.place_salt, dtype=torch.int64)
-                               for (t, _), n in zip(parts, sizes)])
-            wrong = (shard_of_salted(torch.cat(out), salts, cfg.num_shards) != cfg.shard_index).nonzero()
-            if wrong.numel():
-                k = bisect.bisect_right(list(itertools.accumulate(sizes)), int(wrong[0]))
-                raise InvalidArgument(f"{what} of table {shown(parts[k][0].spec.name)} names ids that shard "
-                                      f"{cfg.shard_index} does not hold (placement: shardps.common.rows.shard_of)")
-        return out
-
     # ------------------------------------------------------------ push
     async def push(self, request: pb.PushRowsRequest, timeout: float | None = None) -> pb.PushRowsReply:
         """Stage one member's rows for the round being collected; apply it once every member pushed.
@@ -201,31 +173,11 @@ class SparseTables:
                 return pb.PushRowsReply(round=self.round)
         if request.worker_id in self.failed:  # its last round was refused: say so before taking another push
             raise self.failed.pop(request.worker_id)
-        tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         named = [self._table(part.table) for part in request.tables]
         if len({t.spec.name for t in named}) != len(named):
             raise InvalidArgument("a table appears twice in one push: send each table's rows once")
-        checked = self._ids([(t, part.ids) for t, part in zip(named, request.tables)], "the push")
-        for part, table, ids in zip(request.tables, named, checked):
-            dim = table.spec.embedding_dim
-            try:
-                grads = rows_from(part.grads, ids.numel(), dim)
-            except ValueError as exc:
-                raise InvalidArgument(f"gradient of table {shown(part.table)}: {exc}") from None
-            # ids in increasing order (as workers send them) are unique; others are checked in full
-            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()) and torch.unique(ids).numel() != ids.numel():
-                raise InvalidArgument(f"the push of table {shown(part.table)} repeats an id: send each unique id "
-                                      "once with its summed gradient")
-            if table.spec.padding_idx >= 0 and bool((ids == table.spec.padding_idx).any()):
-                raise InvalidArgument(f"the push of table {shown(part.table)} carries padding_idx "
-                                      f"{table.spec.padding_idx}, which is never trained")
-            if not bool(torch.isfinite(grads).all()):
-                raise InvalidArgument(f"gradient of table {shown(part.table)} is not finite (Inf or NaN); "
-                                      "nothing was staged")
-            if not (math.isfinite(part.lr) and part.lr >= 0):
-                raise InvalidArgument(f"learning rate of table {shown(part.table)} is {part.lr}; it must be "
-                                      "finite and >= 0")
-            tables[part.table] = (ids, grads, part.lr)
+        checked = checked_ids([(t, part.ids) for t, part in zip(named, request.tables)], "the push", self.store.config)
+        tables = staged_rows(request, named, checked)
         self.members[request.worker_id] = request.push
         self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id)
         self.maybe_apply()
@@ -257,7 +209,7 @@ class SparseTables:
         pushes = [self.staged[w] for w in workers]
         number = self.round
         try:
-            await self.store.run(self._update, pushes, number)
+            await self.store.run(self._update, pushes, number, priority=SPARSE)
         except ShardError as exc:
             log.warning("shard %d: sparse round %d refused: %s", self.store.config.shard_index, number, exc)
             for w in workers:
@@ -317,6 +269,9 @@ class SparseTables:
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
         ids, slots, tags = fused.apply_round(merged, found, initial, number)
+        self._grew = {}
+        for (table, *_), count in zip(merged, new):
+            self._grew[table.slab] = self._grew.get(table.slab, 0) + count
         self.index.insert_later(ids, slots, tags)  # a prefetch waiting for this round finds them in _made
         made = (ids, tags, slots)
         evicting = [t for t in self.tables.values() if t.evicts()]
@@ -350,12 +305,13 @@ class SparseTables:
         if len({name for name, _ in wanted}) != len(wanted):
             raise InvalidArgument("a pull names a table twice: send each table's unique ids once")
         named = [self._table(name) for name, _ in wanted]
-        parts = list(zip(named, self._ids([(t, data) for t, (_, data) in zip(named, wanted)], "the pull")))
+        parts = list(zip(named, checked_ids([(t, data) for t, (_, data) in zip(named, wanted)], "the pull",
+                                             self.store.config)))
         w, number, early = request.worker_id, request.after_push_number, None
         if number and request.after_push:
             raise InvalidArgument("a pull waits for after_push or for after_push_number, not both")
         if number and not (self.members[w] >= number and w not in self.staged):
-            early = await self.store.run(self._look_ahead, parts)  # while push `number` is still to come
+            early = await self.store.run(self._look_ahead, parts, priority=SPARSE)  # while push `number` is still to come
         if request.after_push or number:
 
             def ready() -> bool:
@@ -374,10 +330,40 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if w in self.failed:
                 raise self.failed.pop(w)
-        rows = await self.store.run(self._read, parts, request.worker_id, early)
+        rows = await self.store.run(self._read, parts, request.worker_id, early, priority=SPARSE)
+        if number or request.after_push:  # the round's new keys enter the index now, not in the next lookup
+            self._start_flush()
         if request.tables:
             return pb.PullRowsReply(parts=[rows_bytes(r) for r in rows], round=self.round)
         return pb.PullRowsReply(rows=rows_bytes(rows[0]), round=self.round)
+
+    def settled(self) -> bool:
+        """No round being applied and no index flush queued or due: until the next round starts, the compute
+        thread only reads the rows and the index, so the event loop may read them too (a checkpoint). Starts
+        the flush when one is due."""
+        self._start_flush()
+        return not self.applying and not self._flushing
+
+    def _start_flush(self) -> None:
+        if self.index.pending and not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Insert the last round's new keys into the index while the workers compute their forward (queued
+        after the reads the round woke, so it delays none of them; the next lookup would do it otherwise),
+        and grow each row store that the next round's new rows (twice the last round's) would overflow."""
+
+        def idle() -> None:
+            self.index.flush()
+            for slab, n in self._grew.items():
+                slab.reserve(2 * n)
+
+        try:
+            await self.store.run(idle, priority=IDLE)
+        finally:
+            self._flushing = False
+            self.store.notifier.notify_all()
 
     def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]]) -> tuple:
         """A prefetch read before the round it waits for: ``(slots, rows, rounds applied so far)``; ids that are
@@ -451,7 +437,7 @@ class SparseTables:
         """
         table = self._table(request.table)
         await self._settled()
-        ids, weights, state = await self.store.run(table.export, request.offset, request.max_rows)
+        ids, weights, state = await self.store.run(table.export, request.offset, request.max_rows, priority=SPARSE)
         total = table.rows
         reply = pb.ExportRowsReply(spec=table.spec.to_proto(), ids=ids_bytes(ids), weights=rows_bytes(weights),
                                    round=self.round, step=table.step, total_rows=total)

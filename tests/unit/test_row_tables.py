@@ -161,3 +161,21 @@ def test_a_lookup_before_a_round_settles_to_the_lookup_after_it(monkeypatch, cru
         assert all(torch.equal(a, b) for a, b in zip(ahead, plain)), number  # rows as a pull after the round
         assert all(torch.equal(a, b) for a, b in zip(tables._after_round(asked, tables._look_ahead(asked)), now))
     assert paths == {"made", "evicted"}  # d's ttl evicts in some rounds: those look up again
+
+
+def test_a_reserved_slab_takes_that_many_new_rows_without_growing_and_keeps_its_rows():
+    from shardps.server.sparse.slab import RowSlab
+
+    slab = RowSlab(4, {"sum": 4})
+    first = slab.take(10)
+    slab.weights.index_copy_(0, first, torch.arange(40.0).view(10, 4))
+    slab.release(first[:3])
+    slab.reserve(100)  # 3 freed slots and 97 new ones
+    weights, capacity = slab.weights, slab.weights.shape[0]
+    assert capacity >= 107 and slab.used == 10
+    taken = slab.take(100)
+    assert slab.weights is weights and slab.weights.shape[0] == capacity  # no copy in take
+    assert taken.unique().numel() == 100 and set(first[:3].tolist()) <= set(taken.tolist())
+    assert torch.equal(slab.weights[first[3:]], torch.arange(12.0, 40.0).view(7, 4))
+    slab.reserve(0)
+    assert slab.weights is weights

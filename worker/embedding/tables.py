@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
+from shardps.common.codec import finite
 from shardps.common.rows import TableSpec, ids_bytes, rows_bytes, rows_from, shard_of
 from shardps.worker.embedding.export import TableExport, export_table
 from shardps.worker.embedding.modules import ShardedTable, is_table_handle, table_of
@@ -335,7 +336,9 @@ class SparseTables:
                 gradient is not finite, or a request would pass the message limit. Nothing was pushed.
         """
         num_shards = len(self._clients)
-        parts: list[list[pb.TableRows]] = [[] for _ in range(num_shards)]
+        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push + 1)
+                    for _ in range(num_shards)]
+        steps = []
         for name, (module, spec, group) in self.tables.items():
             lookups = [(ids, leaf.grad) for ids, leaf in module.pending if leaf.grad is not None]
             module.pending.clear()
@@ -354,18 +357,20 @@ class SparseTables:
                 grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
                 unique, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
-            if not bool(torch.isfinite(summed.sum())) and not bool(torch.isfinite(summed).all()):
-                raise ValueError(f"the gradient of table {name!r} is not finite (Inf or NaN); nothing was pushed: "
-                                 "lower the learning rate or the loss scale")
+            steps.append((name, unique, summed, lr))
+        # one finiteness check for every table (the sum of finite values can overflow: then each is checked)
+        if steps and not finite(torch.stack([g.sum() for _, _, g, _ in steps])):
+            for name, _, summed, _ in steps:
+                if not finite(summed):
+                    raise ValueError(f"the gradient of table {name!r} is not finite (Inf or NaN); nothing was "
+                                     "pushed: lower the learning rate or the loss scale")
+        for name, unique, summed, lr in steps:
             for s, idx in enumerate(_by_shard(name, unique, num_shards)):
                 if idx.numel() == unique.numel():  # every id on this shard (one shard): no copies
                     mine_ids, mine_grads = unique, summed
                 else:
                     mine_ids, mine_grads = unique.index_select(0, idx), summed.index_select(0, idx)
-                parts[s].append(pb.TableRows(table=name, ids=ids_bytes(mine_ids), grads=rows_bytes(mine_grads),
-                                             lr=lr))
-        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push + 1,
-                                       tables=parts[s]) for s in range(num_shards)]
+                requests[s].tables.add(table=name, ids=ids_bytes(mine_ids), grads=rows_bytes(mine_grads), lr=lr)
         sizes = [r.ByteSize() for r in requests]
         if max(sizes) > self._max_message_bytes - 1024:
             raise ValueError(f"this step's rows for shard {sizes.index(max(sizes))} take {max(sizes)} bytes, over the "

@@ -1,0 +1,100 @@
+"""Checks of the sparse calls' contents: the ids of a pull or a push, and a push's gradients.
+
+Each check covers every table of a request in a few tensor operations (a
+DLRM step names 26 tables), and names the table at fault when one fails;
+nothing is staged or read before all of them pass.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+import torch
+
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.codec import finite
+from shardps.common.rows import check_ids, ids_from, shard_of_salted
+from shardps.server.checks import shown
+from shardps.server.errors import InvalidArgument
+
+__all__ = ["checked_ids", "staged_rows", "increasing"]
+
+
+def checked_ids(parts: list[tuple], what: str, config) -> list[torch.Tensor]:
+    """The int64 ids of each ``(table, bytes)`` part (a ``RowTable``), checked: the bounds of bounded tables,
+    and that this shard (``config``: its ``ShardConfig``) holds every id, one placement pass for all parts.
+
+    Raises:
+        InvalidArgument: malformed ids, an id out of a bounded table's range, ids of another shard (the
+            message names the table and ``what``, e.g. "the push").
+    """
+    out = []
+    for table, data in parts:
+        try:
+            ids = ids_from(data)
+            if table.spec.num_embeddings:
+                check_ids(ids, f"table {table.spec.name!r}", table.spec.num_embeddings)
+        except ValueError as exc:
+            raise InvalidArgument(f"{what} of table {shown(table.spec.name)}: {exc}") from None
+        out.append(ids)
+    sizes = [i.numel() for i in out]
+    if config.num_shards > 1 and sum(sizes):
+        salts = torch.cat([torch.full((n,), t.place_salt, dtype=torch.int64) for (t, _), n in zip(parts, sizes)])
+        wrong = (shard_of_salted(torch.cat(out), salts, config.num_shards) != config.shard_index).nonzero()
+        if wrong.numel():
+            k = bisect.bisect_right(list(itertools.accumulate(sizes)), int(wrong[0]))
+            raise InvalidArgument(f"{what} of table {shown(parts[k][0].spec.name)} names ids that shard "
+                                  f"{config.shard_index} does not hold (placement: shardps.common.rows.shard_of)")
+    return out
+
+
+def staged_rows(request: pb.PushRowsRequest, tables: list, ids: list[torch.Tensor]
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """A push's ``{table: (ids int64 [n], gradients float32 [n, dim], lr)}``, checked: ``tables[k]`` (a
+    ``RowTable``) and ``ids[k]`` (from :func:`checked_ids`) are those of ``request.tables[k]``.
+
+    The gradients of every table are read into one tensor, and one sum tells they are all finite (the
+    exact test only when it is not).
+
+    Raises:
+        InvalidArgument: a learning rate not finite and >= 0, a gradient of the wrong size, the padding id
+            pushed, a repeated id, a gradient not finite (the message names the table).
+    """
+    for part, table, i in zip(request.tables, tables, ids):
+        if not (math.isfinite(part.lr) and part.lr >= 0):
+            raise InvalidArgument(f"learning rate of table {shown(part.table)} is {part.lr}; it must be "
+                                  "finite and >= 0")
+        n, dim = i.numel(), table.spec.embedding_dim
+        if len(part.grads) != 4 * n * dim:
+            raise InvalidArgument(f"gradient of table {shown(part.table)}: expected {n} rows of {dim} float32 "
+                                  f"values ({4 * n * dim} bytes), got {len(part.grads)} bytes")
+        if table.spec.padding_idx >= 0 and bool((i == table.spec.padding_idx).any()):
+            raise InvalidArgument(f"the push of table {shown(part.table)} carries padding_idx "
+                                  f"{table.spec.padding_idx}, which is never trained")
+    data = bytearray().join(part.grads for part in request.tables)
+    flat = torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
+    grads = list(flat.split([i.numel() * t.spec.embedding_dim for i, t in zip(ids, tables)]))
+    if not increasing(ids):  # ids in increasing order (as workers send them) are unique
+        for part, i in zip(request.tables, ids):
+            if i.numel() > 1 and torch.unique(i).numel() != i.numel():
+                raise InvalidArgument(f"the push of table {shown(part.table)} repeats an id: send each unique "
+                                      "id once with its summed gradient")
+    if not finite(flat):
+        bad = next(part.table for part, g in zip(request.tables, grads) if not finite(g))
+        raise InvalidArgument(f"gradient of table {shown(bad)} is not finite (Inf or NaN); nothing was staged")
+    return {part.table: (i, g.view(i.numel(), t.spec.embedding_dim), part.lr)
+            for part, t, i, g in zip(request.tables, tables, ids, grads)}
+
+
+def increasing(ids: list[torch.Tensor]) -> bool:
+    """Whether each of ``ids`` (int64 ``[n_k]``) is strictly increasing: one comparison over all of them."""
+    flat = torch.cat(ids) if len(ids) != 1 else ids[0]
+    if flat.numel() < 2:
+        return True
+    up = flat[1:] > flat[:-1]
+    ends = torch.tensor([i.numel() for i in ids]).cumsum(0)[:-1] - 1  # last id of each part but the last
+    ends = ends[(ends >= 0) & (ends < up.numel())]
+    up[ends] = True  # a part's first id is not compared with the part before it
+    return bool(up.all())
