@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardps.worker.embedding.modules import ShardedEmbeddingBag
+from shardps.worker.embedding.modules import ShardedEmbeddingBag, bags
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
@@ -131,8 +130,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out = {}
         for (key, bag, (unique, inverse, pad), offsets, weights, _), got in zip(calls, rows):
             weight, index, pad = bag.finish_lookup(unique, got, inverse, pad)
-            out[key] = F.embedding_bag(index, weight, offsets, mode=bag.mode, per_sample_weights=weights,
-                                       include_last_offset=bag.include_last_offset, padding_idx=pad)
+            out[key] = bags(index, weight, offsets, bag.mode, weights, bag.include_last_offset, pad)
         return out
 
     @staticmethod

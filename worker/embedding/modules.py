@@ -159,7 +159,8 @@ class ShardedEmbedding(ShardedTable):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, index, _ = self._lookup(input)
-        return F.embedding(index, weight)
+        # F.embedding(index, weight), as a gather: the same values, and a backward of one index_add_ (no sort)
+        return weight.index_select(0, index.reshape(-1)).view(*index.shape, weight.shape[1])
 
 
 class ShardedEmbeddingBag(ShardedTable):
@@ -186,5 +187,17 @@ class ShardedEmbeddingBag(ShardedTable):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         weight, index, pad = self._lookup(input)
-        return F.embedding_bag(index, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=pad)
+        return bags(index, weight, offsets, self.mode, per_sample_weights, self.include_last_offset, pad)
+
+
+def bags(index: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None, mode: str,
+         per_sample_weights: torch.Tensor | None, include_last_offset: bool, pad: int | None) -> torch.Tensor:
+    """``F.embedding_bag`` of the local ``index`` (int64 ``[B, L]``, or ``[n]`` with ``offsets``) into ``weight``
+    (float ``[m, dim]``): float ``[B, dim]``. When every bag is one id (``[B, 1]``, no weights, no padding id,
+    the shape of a DLRM's categorical features) it is a row gather: the same values (the sum, mean or max of
+    one row is that row), and a backward of one ``index_add_`` instead of ``embedding_bag``'s sort of the
+    indices (about 3x faster on CPU, 26 times a step for a DLRM)."""
+    if offsets is None and index.dim() == 2 and index.shape[1] == 1 and per_sample_weights is None and pad is None:
+        return weight.index_select(0, index.reshape(-1))
+    return F.embedding_bag(index, weight, offsets, mode=mode, per_sample_weights=per_sample_weights,
+                           include_last_offset=include_last_offset, padding_idx=pad)
