@@ -359,10 +359,12 @@ class SparseTables:
             for slab, n in self._grew.items():
                 slab.reserve(2 * n)
 
+        index = self.index
         try:
             await self.store.run(idle, priority=IDLE)
         finally:
-            self._flushing = False
+            if self.index is index:  # a reset meanwhile: its own flag (and any flush of its index) stands
+                self._flushing = False
             self.store.notifier.notify_all()
 
     def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]]) -> tuple:
