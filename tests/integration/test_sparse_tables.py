@@ -452,3 +452,43 @@ def test_a_table_larger_than_one_message_exports_in_pages(shards):
     assert export.ids.tolist() == ids.tolist()
     assert torch.equal(export.weights, pulled) and export.state["sum"].shape == (3000, 1024)
     assert bool((export.state["sum"] > 0).any())
+
+
+def test_a_push_of_several_tables_is_refused_naming_the_table_at_fault_and_stages_nothing(shards):
+    """The shard checks every table of a push in one pass (ids in order, finite gradients): a fault in the
+    second table is refused with that table's name, and nothing of the push, first table included, is staged."""
+    reset(shards)
+    bags = ShardedEmbeddingBagCollection({f: ShardedEmbeddingBag(None, 4, mode="sum", name=f) for f in ("a", "b")})
+    model = nn.ModuleDict({"bags": bags, "head": nn.Linear(4, 1)})
+    dist = DistributedOptimizer(torch.optim.SGD(model["head"].parameters(), lr=0.0), model.named_parameters(),
+                                servers=shards.servers, model=model, worker_id="w0",
+                                sparse_optimizer=torch.optim.SGD([b.handle for b in bags.bags.values()], lr=0.5))
+    client = ShardClient(shards.addresses[0], index=0)
+    try:
+        ids = torch.arange(400)
+        a = ids[shard_of("a", ids, 2) == 0][-3:]  # the last ids of a are above the first of b: not a repeat
+        b = ids[shard_of("b", ids, 2) == 0][:3]
+        assert int(a[0]) > int(b[-1])
+
+        def push(b_ids, b_grads):
+            request = pb.PushRowsRequest(worker_id="w0", session=dist.session, push=99, tables=[
+                pb.TableRows(table="a", ids=ids_bytes(a), grads=rows_bytes(torch.ones(3, 4)), lr=0.5),
+                pb.TableRows(table="b", ids=ids_bytes(b_ids), grads=rows_bytes(b_grads), lr=0.5)])
+            with pytest.raises(ShardRpcError) as info:
+                client.push_rows(request)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            return info.value.details
+
+        assert "table 'b' repeats an id" in push(b[[0, 1, 1]], torch.zeros(3, 4))
+        assert "gradient of table 'b' is not finite" in push(b, torch.tensor([[0.0] * 4, [1.0, float("inf"), 0, 0],
+                                                                               [0.0] * 4]))
+        # nothing staged: the next step of both tables is this worker's push 1, applied as the only round
+        dist.zero_grad()
+        out = bags({"a": a.view(-1, 1), "b": b.view(-1, 1)})
+        model["head"](out["a"] + out["b"]).sum().backward()
+        dist.step()
+        dist.synchronize()
+        assert dist.tables.export("a").round == 1 and dist.tables.export("b").round == 1
+    finally:
+        client.close()
+        dist.close()
