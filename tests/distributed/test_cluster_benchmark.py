@@ -87,3 +87,35 @@ def test_cluster_benchmark(tmp_path: Path) -> None:
     streamed, plain = result["rows"]["sync"]["timeline_ms"], result["rows"]["sync_plain"]["timeline_ms"]
     assert 0 <= streamed["first_pull"] < streamed["push_end"] <= streamed["last_pull"], streamed
     assert 0 <= plain["push_end"] <= plain["first_pull"] <= plain["last_pull"], plain
+
+
+EXCHANGE = REPO / "benchmarks" / "cluster_exchange.py"
+
+
+def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
+    """benchmarks/cluster_exchange.py (raw gRPC over the same emulated links) runs at its smallest size: both
+    modes are in the JSON with a positive time and bound, and no namespace of the run is left."""
+    _, probe = run(["--probe"], timeout=60)
+    if probe.returncode == EXIT_NO_NAMESPACES:
+        pytest.skip(probe.stderr.strip() or "network namespaces cannot be made here (no CAP_NET_ADMIN)")
+    out = tmp_path / "exchange.json"
+    proc = subprocess.Popen([sys.executable, str(EXCHANGE), "--workers", "2", "--shards", "1", "--rate-mbit", "1000",
+                             "--chunk-kib", "256", "--repeats", "1", "--json", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"cluster_exchange.py did not finish in {TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    left = sorted(ns for ns in namespaces() if ns == f"sps{proc.pid}sw" or ns.startswith(f"sps{proc.pid}h"))
+    assert not left, f"namespaces left behind: {left}"
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["shards"] == 1 and "machine" in result
+    assert [r["mode"] for r in result["rows"]] == ["independent", "gated"]
+    for row in result["rows"]:
+        assert row["chunk_bytes"] == 256 << 10
+        assert row["seconds"] > 0 and row["bound_seconds"] > 0
+        # nothing moves faster than its links allow (headers alone keep it below)
+        assert 0 < row["fraction_of_bound"] < 1.0, row
