@@ -21,7 +21,9 @@ per step with fused AdamW (lr 1e-3), one torch thread, as:
 - ``sync_plain``: sync rounds unstreamed (the whole push, then the whole pull);
 - ``sync_clip``: sync with ``max_grad_norm=1.0``, which needs every shard's
   part of the norm before any chunk is applied, so its rounds are not streamed;
-- ``async``: shardps async; the hosts share a budget of N x steps timed steps;
+- ``async``: shardps async (each worker pushes its shards one after another,
+  from a shard of its own, so answers come back while it still pushes); the
+  hosts share a budget of N x steps timed steps;
 - ``ddp``: DistributedDataParallel over Gloo (``GLOO_SOCKET_IFNAME=eth0``);
 - ``ddp_fp16``: the same with ``fp16_compress_hook``.
 
@@ -49,7 +51,8 @@ Timeline (shardps sync rows): the median over a worker's timed rounds, then
 the mean over workers, of when ``step()`` was called, the last push frame
 left, and the first and last pulled frame arrived, in ms from the round's
 first push (``DistributedOptimizer.last_timeline``): a first pull before the
-push end is the overlap. ``--straggler``: the last worker
+push end is the overlap (async rows too: a shard answers once the worker's
+part for it has arrived). ``--straggler``: the last worker
 host's link runs at half the rate (default systems: async, ddp).
 
 Needs CAP_NET_ADMIN (root): without it, exits with status 77 and says why.

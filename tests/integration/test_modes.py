@@ -248,3 +248,32 @@ def test_ssp_wait_past_its_limit_names_the_slowest_workers(start_cluster) -> Non
     finally:
         for opt in opts:
             opt.close()
+
+
+def test_async_workers_push_their_shards_one_after_another_each_from_its_own(start_cluster) -> None:
+    """async: a worker hands its push to the second shard of its order only once the first shard's push is all
+    sent; the first worker starts at shard 0, the second (joined next) at shard 1."""
+    cluster = start_cluster(2)
+    models = [make_model(), make_model()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    dists = []
+    try:
+        for w, (model, opt) in enumerate(zip(models, opts)):  # joined one after the other: members 1 and 2
+            dists.append(DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers,
+                                              worker_id=f"w{w}", consistency=ConsistencyOptions(mode="async"),
+                                              wire=WireOptions(chunk_bytes=256, rpc_timeout=60)))
+        for step in range(3):
+            for w, (model, dist) in enumerate(zip(models, dists)):
+                x, y = batch(step, w)
+                nn.functional.cross_entropy(model(x), y).backward()
+                dist.step()
+                dist.zero_grad()
+                first, second = (0, 1) if w == 0 else (1, 0)
+                shards = dist.last_shard_timeline
+                assert shards[first]["push_start"] is not None and shards[second]["push_start"] is not None
+                assert shards[second]["push_start"] >= shards[first]["push_end"], (w, step, shards)
+                assert all(s["last_pull"] is not None for s in shards)
+    finally:
+        for dist in dists:
+            dist.close()
+    assert [list(v) for v in (dists[0].versions, dists[1].versions)] == [[5, 5], [6, 6]]

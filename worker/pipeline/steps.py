@@ -58,6 +58,8 @@ class RoundSteps:
             self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
             decide = self._decide if self._pushed_options.needs_commit else None
             rnd = Round(len(self._clients), self._chunk_counts, decide)
+            if self._push_order is not None:  # async/ssp: one shard after another (streams.staggered_order)
+                rnd.after = dict(zip(self._push_order[1:], self._push_order[:-1]))
             if self._streamed and decide is None:  # the shards apply each chunk as it completes (streamed.py)
                 rnd.options = pb.RoundTrailer(lrs=self._round_lrs(), group_hyperparams_json=self._hyperparams.changed())
             for shard, client in enumerate(self._clients):
@@ -197,6 +199,11 @@ class RoundSteps:
                     "step_called": rnd.closed_at - rnd.opened_at, "push_end": max(rnd.sent_at) - rnd.opened_at,
                     "first_pull": min((t for t in rnd.first_pulled_at if t), default=rnd.opened_at) - rnd.opened_at,
                     "last_pull": max(rnd.last_pulled_at) - rnd.opened_at}
+                self.last_shard_timeline = [
+                    {name: (t - rnd.opened_at if t else None) for name, t in (
+                        ("push_start", rnd.first_sent_at[s]), ("push_end", rnd.sent_at[s]),
+                        ("first_pull", rnd.first_pulled_at[s]), ("last_pull", rnd.last_pulled_at[s]))}
+                    for s in range(len(rnd.sent_at))]
                 self.metrics.round_trip(max(rnd.sent_at) - rnd.closed_at, time.perf_counter() - rnd.closed_at,
                                         sum(rnd.pushed_bytes), sum(rnd.pulled_bytes))
             if failed:

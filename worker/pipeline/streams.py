@@ -27,6 +27,29 @@ from shardps.common.codec import FrameError, copy_payload, decode_frame, encode_
 from shardps.common.plan import Chunk, PartitionPlan
 from shardps.worker.session.client import ShardClient
 
+#: How often a staggered push stream looks whether its round failed while it waits for its turn, seconds.
+TURN_POLL_SECONDS = 0.05
+
+
+def staggered_order(member_number: int, num_shards: int) -> list[int]:
+    """The order in which an async/ssp worker pushes its shards: all of them, starting at its own.
+
+    Worker ``m`` (its member number, 1 for a job's first worker) starts at
+    shard ``(m - 1) mod S`` and goes round. A shard applies an async push
+    once all of that worker's part for it has arrived, so a worker that
+    pushes every shard at once gets every answer only after its whole push
+    (a step costs 2 M / R on its link: M model bytes, R link rate). Pushed
+    one shard after another, shard k's answer comes back while shard k + 1
+    is pushed, and the link sends and receives at once (about M / R + M /
+    (S x R)); starting at different shards, workers that push at the same
+    time meet on different shards (the rotation of all-to-all schedules).
+
+    Returns:
+        The shard indices, ``num_shards`` of them, each once.
+    """
+    start = (member_number - 1) % num_shards if num_shards else 0
+    return [(start + k) % num_shards for k in range(num_shards)]
+
 
 class GradientEditedError(RuntimeError):
     """A gradient changed after its push to the shards started (the shards would get a mix of both)."""
@@ -58,6 +81,9 @@ class Round:
         self.reports: dict[int, pb.RoundReport] = {}
         self.commit: pb.RoundCommit | None = None
         self.decided = threading.Event()
+        #: staggered pushes (async/ssp): ``after[shard]`` is the shard whose push stream must hand over all of its
+        #: frames before this one sends its first chunk (:func:`staggered_order`)
+        self.after: dict[int, int] = {}
         #: streamed rounds (``WireOptions.streamed``): the learning rates and hyperparameters sent in the header
         self.options: pb.RoundTrailer | None = None
         # for the worker's metrics: when step() closed the pushes, when each shard's push ended, bytes each way
@@ -68,6 +94,7 @@ class Round:
         # the timeline of the round (time.perf_counter()): opened, first and last frame pulled from each shard
         self.opened_at = time.perf_counter()
         self.first_pulled_at = [0.0] * num_shards
+        self.first_sent_at = [0.0] * num_shards  # the first gradient or buffer frame handed to gRPC, per shard
         self.last_pulled_at = [0.0] * num_shards
 
     def chunk_arrived(self, key: str) -> None:
@@ -85,6 +112,14 @@ class Round:
         if complete:
             self.commit = self.decide([self.reports[s] for s in sorted(self.reports)])
             self.decided.set()
+
+    def wait_turn(self, shard: int, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until the push stream before ``shard``'s in ``after`` has handed over
+        every frame; stop waiting as soon as the round failed (a stream that broke never finishes)."""
+        previous, deadline = self.after[shard], time.monotonic() + timeout
+        while not self.sent[previous].wait(TURN_POLL_SECONDS):  # blocking wait for the previous shard's push
+            if self.failed() is not None or time.monotonic() > deadline:
+                return
 
     def failed(self) -> BaseException | None:
         for f in self.futures:
@@ -143,6 +178,8 @@ def push_requests(
     frame = encode_round(header)
     rnd.pushed_bytes[shard] = len(frame)
     yield frame
+    if shard in rnd.after:
+        rnd.wait_turn(shard, commit_timeout)
     while (item := q.get()) is not None:  # blocking wait for the hooks and step()
         kind = item[0]
         if kind == "trailer":
@@ -157,6 +194,7 @@ def push_requests(
             values = values.to(push_dtype).to("cpu")  # bf16/fp16 also halve the bytes over PCIe
         frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
         rnd.pushed_bytes[shard] += len(frame)
+        rnd.first_sent_at[shard] = rnd.first_sent_at[shard] or time.perf_counter()
         yield frame
     rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
     if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report

@@ -113,6 +113,8 @@ class Joined:
         incarnations: each shard process's random token (another one means it restarted).
         job_id: the job's id (shard 0's).
         initialised: this worker sent the job's initial parameters (to at least one shard).
+        member_number: shard 0's member count when it took this worker in (1 for the first worker of
+            a job): distinct among workers that joined while nobody left.
     """
 
     versions: list[int]
@@ -120,6 +122,7 @@ class Joined:
     incarnations: list[str]
     job_id: str
     initialised: bool = False
+    member_number: int = 0
 
 
 def _request(join: JoinPlan, view: pb.JobView | None) -> pb.JoinRequest:
@@ -179,7 +182,8 @@ def join_job(
         errors = [f.exception() for f in futures if f.exception() is not None]
         if not errors:
             return Joined([f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies),
-                          [r.incarnation for r in replies], first.job.job_id, initialised=bool(told))
+                          [r.incarnation for r in replies], first.job.job_id, initialised=bool(told),
+                          member_number=first.members)
         # the cause, not a pull this function cancelled because of it
         error = next((e for e in errors if getattr(e, "code", None) != grpc.StatusCode.CANCELLED), errors[0])
         initialiser_gone = isinstance(error, ShardRpcError) and error.code == grpc.StatusCode.ABORTED
