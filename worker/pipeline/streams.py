@@ -43,6 +43,8 @@ def staggered_order(member_number: int, num_shards: int) -> list[int]:
     is pushed, and the link sends and receives at once (about M / R + M /
     (S x R)); starting at different shards, workers that push at the same
     time meet on different shards (the rotation of all-to-all schedules).
+    Workers that drift onto the same shard move on together until their
+    speeds differ (docs/performance.md, Cluster in one box, measures it).
 
     Returns:
         The shard indices, ``num_shards`` of them, each once.
@@ -115,10 +117,12 @@ class Round:
 
     def wait_turn(self, shard: int, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until the push stream before ``shard``'s in ``after`` has handed over
-        every frame; stop waiting as soon as the round failed (a stream that broke never finishes)."""
+        every frame; stop waiting as soon as the round failed or a call of it ended (cancelled, or broken: such a
+        stream never finishes)."""
         previous, deadline = self.after[shard], time.monotonic() + timeout
         while not self.sent[previous].wait(TURN_POLL_SECONDS):  # blocking wait for the previous shard's push
-            if self.failed() is not None or time.monotonic() > deadline:
+            if (self.failed() is not None or any(call.done() for call in list(self.calls))
+                    or time.monotonic() > deadline):
                 return
 
     def failed(self) -> BaseException | None:
