@@ -46,7 +46,7 @@ from shardps.worker.pipeline.overlap import ForwardWaits
 from shardps.worker.session.leases import Leases
 from shardps.worker.session.waits import WaitWatcher
 from shardps.worker.metrics import WorkerMetrics
-from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round, staggered_order
+from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
 from shardps.worker.pipeline.steps import RoundSteps
 from shardps.worker.embedding.modules import is_table_handle
 from shardps.worker.embedding.tables import SparseTables, check_sparse_options
@@ -142,14 +142,9 @@ class DistributedOptimizer(RoundSteps, JobView):
     ``step_called`` (``step()`` closed the pushes), ``push_end`` (the last
     shard's push sent), ``first_pull`` and ``last_pull`` (the first and last
     frame received from any shard); None before the first round. In a
-    streamed round ``first_pull`` comes before ``push_end``: the links
-    send and receive at once. ``last_shard_timeline`` gives the same per
-    shard (a list, in shard order, of ``push_start``: the first chunk
-    sent, ``push_end``, ``first_pull`` and ``last_pull``; None where
-    nothing was sent or received). In async and ssp modes a worker pushes
-    its shards one after another, from a shard of its own
-    (``shardps.worker.pipeline.streams.staggered_order``), so that each
-    shard's answer comes back while the next shard is pushed.
+    streamed round ``first_pull`` comes before ``push_end``. ``last_shard_timeline``: the same
+    per shard, with ``push_start`` (None: nothing sent or received); async/ssp workers push
+    their shards one after another (``shardps.worker.pipeline.streams.staggered_order``).
 
     Parameters must be contiguous tensors of a floating dtype; they may live
     on CPU or CUDA (chunks cross the wire from CPU memory).
@@ -220,9 +215,6 @@ class DistributedOptimizer(RoundSteps, JobView):
         self._passes = backward_passes_per_step
         self._checksum = wire.checksum
         self._streamed = wire.streamed and consistency.mode == "sync"
-        #: async/ssp: this worker pushes its shards one after another, starting at a shard of its own
-        #: (``staggered_order``); set once joined
-        self._push_order: list[int] | None = None
         named_map = dict(named)
         self._params = {k.key: named_map[k.key] for k in keys}
         self._index = {k.key: i for i, k in enumerate(keys)}
@@ -252,8 +244,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         self.versions: list[int] = [0] * len(servers)
         self.last_grad_norm = math.nan
         self.last_step_skipped = False
-        self.last_timeline: dict[str, float] | None = None
-        self.last_shard_timeline: list[dict[str, float | None]] | None = None
+        self.last_timeline = self.last_shard_timeline = None  # dict[str, float]; list of dict[str, float | None]
         self.resumed = False  # the shards already held this job, past version 0, when this worker joined
         self._watcher: WaitWatcher | None = None
         self._job_id = ""
@@ -282,8 +273,7 @@ class DistributedOptimizer(RoundSteps, JobView):
                                   observability.on_membership_change, self._recovery)
             self.resumed = min(self.versions) > 0
             self._job_id = joined.job_id
-            if consistency.mode != "sync":
-                self._push_order = staggered_order(joined.member_number, len(self._clients))
+            self._member_number = joined.member_number  # where its async/ssp pushes start (staggered_order)
             self._announce_join(joined.initialised)
             self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model,
                                         self._rejoin_shard, wire.max_message_bytes) if sparse_optimizer else None

@@ -27,7 +27,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import current_lrs
 from shardps.worker.pipeline.commit import decide
 from shardps.worker.session.recovery import divergence
-from shardps.worker.pipeline.streams import GradientEditedError, Round, init_requests, push_requests
+from shardps.worker.pipeline.streams import GradientEditedError, Round, init_requests, push_requests, staggered_order
 
 
 class RoundSteps:
@@ -58,8 +58,9 @@ class RoundSteps:
             self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
             decide = self._decide if self._pushed_options.needs_commit else None
             rnd = Round(len(self._clients), self._chunk_counts, decide)
-            if self._push_order is not None:  # async/ssp: one shard after another (streams.staggered_order)
-                rnd.after = dict(zip(self._push_order[1:], self._push_order[:-1]))
+            if self.mode.mode not in ("", "sync"):  # async/ssp: one shard after another (staggered_order)
+                order = staggered_order(self._member_number, len(self._clients))
+                rnd.after = dict(zip(order[1:], order[:-1]))
             if self._streamed and decide is None:  # the shards apply each chunk as it completes (streamed.py)
                 rnd.options = pb.RoundTrailer(lrs=self._round_lrs(), group_hyperparams_json=self._hyperparams.changed())
             for shard, client in enumerate(self._clients):
