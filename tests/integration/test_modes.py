@@ -277,3 +277,28 @@ def test_async_workers_push_their_shards_one_after_another_each_from_its_own(sta
         for dist in dists:
             dist.close()
     assert [list(v) for v in (dists[0].versions, dists[1].versions)] == [[5, 5], [6, 6]]
+
+
+def test_a_staggered_push_does_not_wait_for_a_killed_shards_stream(start_cluster) -> None:
+    """async, 2 shards: the worker pushes shard 0, then shard 1. Shard 0 is SIGKILLed: shard 1's stream stops
+    waiting for shard 0's as soon as that call fails, and the step fails naming shard 0 within the retry time,
+    not after the 60 s call deadline."""
+    cluster = start_cluster(2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers, worker_id="w0",
+                              consistency=ConsistencyOptions(mode="async"),
+                              wire=WireOptions(chunk_bytes=256, rpc_timeout=60, retry_seconds=2)) as dist:
+        for step in range(2):
+            x, y = batch(step, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            dist.step()
+            dist.zero_grad()
+        cluster.processes[0].kill()
+        cluster.processes[0].wait()
+        started = time.monotonic()
+        with pytest.raises(ShardRpcError, match=r"shard 0 \(127\.0\.0\.1:\d+\)") as err:
+            x, y = batch(2, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            dist.step()
+        assert time.monotonic() - started < 30, err.value
