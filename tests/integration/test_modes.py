@@ -302,3 +302,23 @@ def test_a_staggered_push_does_not_wait_for_a_killed_shards_stream(start_cluster
             nn.functional.cross_entropy(model(x), y).backward()
             dist.step()
         assert time.monotonic() - started < 30, err.value
+
+
+def test_three_shards_are_pushed_in_turn(start_cluster) -> None:
+    """async, 3 shards, one worker (order 0, 1, 2), about 4 MiB of weights per shard: each shard's push starts
+    only once the one before it in the order has been handed over, every step."""
+    cluster = start_cluster(3)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(1024, 3072), nn.Linear(3072, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.servers, worker_id="w0",
+                              consistency=ConsistencyOptions(mode="async"),
+                              wire=WireOptions(chunk_bytes=256 << 10, rpc_timeout=60)) as dist:
+        for step in range(4):
+            x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            dist.step()
+            dist.zero_grad()
+            shards = dist.last_shard_timeline
+            for first, second in ((0, 1), (1, 2)):
+                assert shards[second]["push_start"] >= shards[first]["push_end"], (step, shards)

@@ -117,11 +117,13 @@ class Round:
 
     def wait_turn(self, shard: int, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until the push stream before ``shard``'s in ``after`` has handed over
-        every frame; stop waiting as soon as the round failed or a call of it ended (cancelled, or broken: such a
-        stream never finishes)."""
+        every frame; stop waiting as soon as the round failed or the previous shard's call ended first (cancelled,
+        or broken: its stream never finishes). Other shards' calls ending says nothing: an earlier shard of the
+        order answers, and its call ends, while later ones are still pushed."""
         previous, deadline = self.after[shard], time.monotonic() + timeout
         while not self.sent[previous].wait(TURN_POLL_SECONDS):  # blocking wait for the previous shard's push
-            if (self.failed() is not None or any(call.done() for call in list(self.calls))
+            calls = self.calls
+            if (self.failed() is not None or (previous < len(calls) and calls[previous].done())
                     or time.monotonic() > deadline):
                 return
 
