@@ -28,7 +28,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 SUBNET_PREFIX = "10.200."
 MTU = 1500

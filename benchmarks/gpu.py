@@ -31,7 +31,9 @@ shardps phases (``phases_ms``):
   pushes run meanwhile on gRPC's threads);
 - ``step_call``: ``step()`` closing the round (trailer, the rest of the chunks);
 - ``grad_copy_off_device``: the gradient chunks' copies to host memory on
-  the push threads (summed over chunks; 0 on CPU, where there is no copy);
+  the push threads (summed over chunks; on CUDA from the push thread asking
+  until the pinned copy is done, which includes waiting for the backward
+  kernels that produce the chunk; on CPU only the narrowing to the wire type);
 - ``push``: the push window, from the first gradient chunk a push stream
   takes to the last frame of the round handed to gRPC (over all shards;
   it overlaps the backward pass), and ``push_after_backward`` its part
@@ -177,14 +179,17 @@ class StepRecord:
 class _TimedQueue:
     """A push stream's chunk queue whose ``get`` times the wait and does the gradient's copy to host itself.
 
-    ``push_requests`` copies a gradient chunk to the host (``values.to("cpu", push_dtype)``) right after
-    taking it off the queue, on the same thread; this does exactly that copy one call earlier, timed
-    (after waiting for the device's queued work, on CUDA), and hands over the host copy, whose own
-    ``.to("cpu", push_dtype)`` is then a no-op.
+    ``push_requests`` copies a gradient chunk to host memory in the wire type (``HostCopies``: on CUDA a
+    side stream that waits for the gradient's own event, into pinned memory) right after taking it off the
+    queue, on the same thread; this does exactly that copy one call earlier, with the worker's own
+    ``HostCopies``, timed, and hands over the host copy, whose own copy is then a no-op.
     """
 
     def __init__(self, inner, record: StepRecord, shard: int, push_dtype: torch.dtype) -> None:
+        from shardps.worker.pipeline.device import HostCopies
+
         self.inner, self.record, self.shard, self.push_dtype = inner, record, shard, push_dtype
+        self.to_host = HostCopies()
 
     def put(self, item) -> None:
         self.inner.put(item)
@@ -196,12 +201,8 @@ class _TimedQueue:
         self.record.add("queue_wait", t1 - t)
         if item is not None and item[0] == "grad":
             self.record.first(self.record.push_start, self.shard, t1)
-            values = item[2]
-            if values.is_cuda:
-                torch.cuda.current_stream(values.device).synchronize()  # the backward kernels behind it are done
-                t1 = now()
-            host = values.to("cpu", self.push_dtype)
-            self.record.add("grad_copy_off_device", now() - t1)
+            host = self.to_host(item[2], self.push_dtype, item[3] if len(item) > 3 else None)
+            self.record.add("grad_copy_off_device", now() - t1)  # on CUDA: waiting for the gradient, then the copy
             item = ("grad", item[1], host)
         return item
 
@@ -347,8 +348,10 @@ def reset_shards(addresses: list[str]) -> None:
 
 
 def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync,
-                addresses: list[str], chunk_bytes: int) -> dict:
-    """One shardps worker on ``device`` with the idle shards at ``addresses``; samples/s, final loss, phases."""
+                addresses: list[str], chunk_bytes: int, push_dtype: str = "fp32") -> dict:
+    """One shardps worker on ``device`` with the idle shards at ``addresses``; samples/s, final loss, phases.
+
+    ``push_dtype``: the gradients' wire type (``WireOptions.push_dtype``)."""
     from shardps.worker import DistributedOptimizer, WireOptions
 
     model = make_model(kind, s, device)
@@ -357,7 +360,7 @@ def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device:
     try:
         dist = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
                                     model.named_parameters(), servers=addresses, model=model,
-                                    wire=WireOptions(chunk_bytes=chunk_bytes))
+                                    wire=WireOptions(chunk_bytes=chunk_bytes, push_dtype=push_dtype))
         registry = dist.metrics.registry
         marks, before = [], None
         sync()
@@ -466,11 +469,18 @@ def main() -> None:
     p.add_argument("--workloads", default="transformer:32,transformer:256,mlp:64",
                    help="model:samples per step, comma-separated (models: transformer, mlp)")
     p.add_argument("--shards", default="2,4", help="shard processes of the shardps rows, comma-separated")
+    p.add_argument("--wire", default="fp32,bf16",
+                   help="gradient wire types of the shardps rows, comma-separated (fp32, bf16, fp16); "
+                        "parameters always come back in fp32")
     p.add_argument("--repeats", type=int, default=1, help="runs of every row, interleaved; figures are medians")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
     p.add_argument("--tiny", action="store_true", help="tiny models (CI's smoke test)")
+    p.add_argument("--switch-interval", type=float,
+                   help="sys.setswitchinterval for this process, seconds (Python's default: 0.005)")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     device = device_of(args.device)
     cuda = device.type == "cuda"
     steps = args.steps or (30 if cuda else 6)
@@ -490,7 +500,10 @@ def main() -> None:
     name = device_name(device)
     print(f"device: {device.type} ({name}); {steps} steps per row, {warmup} untimed; {args.repeats} repeat(s)",
           flush=True)
-    systems = ["torch", *[f"shardps_{n}" for n in shard_counts]]
+    wires = args.wire.split(",")
+    if any(w not in ("fp32", "bf16", "fp16") for w in wires):
+        p.error(f"bad --wire {args.wire!r}: fp32, bf16 or fp16, comma-separated")
+    systems = ["torch", *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") for n in shard_counts for w in wires]]
     rows_out = []
     from shardps.worker import LocalCluster
 
@@ -499,7 +512,8 @@ def main() -> None:
         rows_out = measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, args)
     print_tables(rows_out)
     emit({"device": device.type, "device_name": name, "cuda_available": torch.cuda.is_available(),
-          "torch_threads": args.threads, "steps": steps, "warmup": warmup, "timed_steps": steps - warmup,
+          "torch_threads": args.threads, "switch_interval_s": sys.getswitchinterval(),
+          "steps": steps, "warmup": warmup, "timed_steps": steps - warmup,
           "repeats": args.repeats, "chunk_bytes": args.chunk_bytes, "tiny": args.tiny,
           "sizes": dataclasses.asdict(sizes), "rows": rows_out}, args.json)
 
@@ -516,14 +530,16 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
                 if system == "torch":
                     runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync))
                 else:
+                    _, n, *wire = system.split("_")
                     runs[system].append(run_shardps(kind, sizes, rows, steps, warmup, device, sync,
-                                                    clusters[int(system.split("_")[1])], args.chunk_bytes))
+                                                    clusters[int(n)], args.chunk_bytes, (wire or ["fp32"])[0]))
         base = _median_rows(runs["torch"])
         for system in systems:
             r = base if system == "torch" else _median_rows(runs[system])
             rows_out.append({
                 "workload": kind, "samples_per_step": rows, "params": params, "system": system,
-                "shards": 0 if system == "torch" else int(system.split("_")[1]), **r,
+                "shards": 0 if system == "torch" else int(system.split("_")[1]),
+                "push_dtype": "fp32" if system.count("_") < 2 else system.split("_")[2], **r,
                 "ratio_samples_per_s_vs_torch": r["samples_per_s"] / base["samples_per_s"],
                 "final_loss_abs_diff": abs(r["final_loss"] - base["final_loss"]),
             })

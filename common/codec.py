@@ -19,6 +19,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardps.proto import shardps_pb2 as pb
@@ -231,8 +232,27 @@ def copy_payload(header: pb.ChunkHeader, payload: memoryview, dst: torch.Tensor)
     if header.numel == 0:
         return
     if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous():
-        memoryview(dst.view(torch.uint8).numpy())[:] = payload  # memcpy into dst's own memory
+        _memcpy(dst, payload)  # into dst's own memory
         return
-    scratch = torch.empty(header.numel, dtype=dtype)
-    memoryview(scratch.view(torch.uint8).numpy())[:] = payload
-    dst.copy_(scratch)
+    dst.copy_(payload_tensor(header, payload, pin=dst.is_cuda))
+
+
+def payload_tensor(header: pb.ChunkHeader, payload: memoryview, *, pin: bool = False) -> torch.Tensor:
+    """A new CPU tensor holding a chunk's payload, shape ``[header.numel]``, in its wire dtype.
+
+    ``pin``: in pinned (page-locked) memory, from PyTorch's caching host
+    allocator, so that a copy onto a CUDA device runs at the bus's rate
+    instead of through the driver's pageable staging buffer.
+
+    Raises:
+        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
+    """
+    scratch = torch.empty(header.numel, dtype=_check_payload(header, payload), pin_memory=pin)
+    _memcpy(scratch, payload)
+    return scratch
+
+
+def _memcpy(dst: torch.Tensor, payload: memoryview) -> None:
+    """Copy ``payload`` into the contiguous CPU tensor ``dst`` (same byte length) with numpy, which releases the
+    GIL for large copies (a memoryview slice assignment holds it), so that other shards' frames decode meanwhile."""
+    np.copyto(dst.view(torch.uint8).numpy(), np.frombuffer(payload, dtype=np.uint8))

@@ -1,7 +1,7 @@
 """benchmarks/gpu.py runs end to end (on the CPU when there is no CUDA) and its JSON holds every row and phase.
 
 Tiny models, 3 steps: the transformer at two batch sizes and the MLP, each
-against plain PyTorch and with 2 and 4 shards. No timing is asserted
+against plain PyTorch and with 2 and 4 shards, gradients in fp32 and in bf16 on the wire. No timing is asserted
 (speed is reported, never tested): only that every row is there with its
 samples/s, the same final loss as plain PyTorch (sync, one worker, AdamW
 on the shards), every phase and timeline mark, and that the marks are in
@@ -30,7 +30,7 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny", "--steps", "3",
          "--warmup", "1", "--workloads", "transformer:2,transformer:4,mlp:4", "--shards", "2,4",
-         "--json", str(out)],
+         "--wire", "fp32,bf16", "--json", str(out)],
         capture_output=True, text=True, timeout=110, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,7 +39,8 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
     assert result["timed_steps"] == 2
     rows = {(r["workload"], r["samples_per_step"], r["system"]): r for r in result["rows"]}
     workloads = [("transformer", 2), ("transformer", 4), ("mlp", 4)]
-    assert set(rows) == {(*w, s) for w in workloads for s in ("torch", "shardps_2", "shardps_4")}
+    systems = ("torch", "shardps_2", "shardps_2_bf16", "shardps_4", "shardps_4_bf16")
+    assert set(rows) == {(*w, s) for w in workloads for s in systems}
     for w in workloads:
         base = rows[(*w, "torch")]
         assert base["samples_per_s"] > 0 and set(base["phases_ms"]) == {"forward", "backward", "optimizer_step"}
@@ -61,4 +62,10 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
             # fp32 gradients: about 4 bytes per parameter per step (measured 3.7-4.0 under load; the counter
             # counts a round when its pull is finished, so a step's bytes can fall outside the window)
             assert r["pushed_bytes_per_step"] >= 0.75 * 4 * r["params"], (r["pushed_bytes_per_step"], r["params"])
+            bf16 = rows[(*w, f"shardps_{shards}_bf16")]
+            assert bf16["push_dtype"] == "bf16" and r["push_dtype"] == "fp32"
+            assert set(bf16["phases_ms"]) == PHASES and bf16["samples_per_s"] > 0
+            # bf16 gradients: half the bytes (parameters still come back in fp32, so the loss stays close)
+            assert bf16["pushed_bytes_per_step"] < 0.6 * r["pushed_bytes_per_step"], (bf16, r)
+            assert bf16["final_loss_abs_diff"] < 1e-2
     assert "samples/s" in proc.stdout and "timeline" in proc.stdout

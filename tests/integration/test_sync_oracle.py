@@ -66,10 +66,12 @@ def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optim
 
 
 def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False,
-                  streamed: bool = False) -> list[nn.Module]:
+                  streamed: bool = False, device: str = "cpu") -> list[nn.Module]:
+    """The job on ``workers`` worker threads, each replica and its batches on ``device``."""
     x, y = data()
+    x, y = x.to(device), y.to(device)
     per = BATCH // workers
-    models = [make_model() for _ in range(workers)]
+    models = [make_model().to(device) for _ in range(workers)]
 
     def worker(i: int) -> None:
         model = models[i]

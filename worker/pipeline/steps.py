@@ -26,6 +26,7 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import current_lrs
 from shardps.worker.pipeline.commit import decide
+from shardps.worker.pipeline.device import mark_ready
 from shardps.worker.session.recovery import divergence
 from shardps.worker.pipeline.streams import GradientEditedError, Round, init_requests, push_requests, staggered_order
 
@@ -81,9 +82,9 @@ class RoundSteps:
 
     def _enqueue(self, rnd: Round, key: str, grad: torch.Tensor) -> None:
         rnd.sources[key] = (grad, grad._version)
-        flat = grad.detach().reshape(-1)
+        flat, ready = grad.detach().reshape(-1), mark_ready(grad)
         for c in self._chunks_of.get(key, ()):
-            rnd.queues[c.shard].put(("grad", c, flat[c.offset : c.offset + c.numel]))
+            rnd.queues[c.shard].put(("grad", c, flat[c.offset : c.offset + c.numel], ready))
         rnd.pushed.add(key)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:

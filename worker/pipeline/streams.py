@@ -23,8 +23,11 @@ import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_control, encode_round
+from shardps.common.codec import (
+    FrameError, copy_payload, decode_frame, encode_chunk, encode_control, encode_round, payload_tensor,
+)
 from shardps.common.plan import Chunk, PartitionPlan
+from shardps.worker.pipeline.device import HostCopies
 from shardps.worker.session.client import ShardClient
 
 #: How often a staggered push stream looks whether its round failed while it waits for its turn, seconds.
@@ -176,11 +179,13 @@ def push_requests(
     """Request stream of one shard's push; runs on gRPC's request-consumer thread.
 
     Yields the round header, then what ``step()`` and the hooks put on ``q``:
-    ``("grad", chunk, values)`` (sent in ``push_dtype``), ``("buffer", chunk,
+    ``("grad", chunk, values[, ready])`` (sent in ``push_dtype``; ``ready``: the
+    CUDA event of :func:`~shardps.worker.pipeline.device.mark_ready`), ``("buffer", chunk,
     values)`` (sent in their own dtype) and ``("trailer", RoundTrailer)``,
     until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``.
     """
     q = rnd.queues[shard]
+    to_host = HostCopies()
     frame = encode_round(header)
     rnd.pushed_bytes[shard] = len(frame)
     yield frame
@@ -196,8 +201,8 @@ def push_requests(
             yield frame
             continue
         chunk, values = item[1], item[2]
-        if kind == "grad":  # host sync for CUDA gradients, off the hook; narrowed on the device first, so that
-            values = values.to(push_dtype).to("cpu")  # bf16/fp16 also halve the bytes over PCIe
+        if kind == "grad":  # CUDA: narrowed on the device and copied on a side stream, off the hook (device.py)
+            values = to_host(values, push_dtype, item[3] if len(item) > 3 else None)
         frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
         rnd.pushed_bytes[shard] += len(frame)
         rnd.first_sent_at[shard] = rnd.first_sent_at[shard] or time.perf_counter()
@@ -280,8 +285,9 @@ class ParameterSink:
                         raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
                     target = self.buffers[c.key] if c.buffer else self.params[c.key].data
                     count += 1
-                    if held is not None:
-                        held.append((h, frame.payload, target, c))
+                    if held is not None:  # CUDA: staged in pinned memory now, onto the device at the end
+                        held.append((h, payload_tensor(h, frame.payload, pin=True) if target.is_cuda
+                                     else frame.payload, target, c))
                         continue
                     copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     if rnd is not None:
@@ -298,6 +304,10 @@ class ParameterSink:
         if held:  # the shard applied the whole round: only now does any of it reach the model
             with torch.no_grad():
                 for h, payload, target, c in held:
-                    copy_payload(h, payload, target.view(-1)[c.offset : c.offset + c.numel])
+                    dst = target.view(-1)[c.offset : c.offset + c.numel]
+                    if isinstance(payload, torch.Tensor):
+                        dst.copy_(payload)
+                    else:
+                        copy_payload(h, payload, dst)
                     rnd.chunk_arrived(c.key)
         return min_version if version is None else version
