@@ -15,6 +15,14 @@ Ceilings, measured in the same run against a separate process:
   subchannel pool), all N in flight at once from this one client process,
   to the same do-nothing server process; the best N is the ceiling shardps
   push+pull is held to (goal: at least 0.9x, ``goal`` in the JSON);
+- push+pull gRPC, the ceiling of what shardps does: the same 64 MiB split
+  over N bidirectional raw-bytes streams (N = ``--channels`` again), each on
+  a channel of its own, alternating between two do-nothing server
+  processes (as shardps' two shards) that send every message back as it
+  arrives; the rate counts both directions (2 x 64 MiB / time), as the
+  shardps figure does. One process sending and receiving at once does
+  more work than one that only sends, so this is the like-for-like
+  ceiling; the goal stays the one above;
 - TCP: the same bytes over a plain loopback socket.
 All are measured interleaved (TCP, gRPC at each channel count, shardps,
 TCP, ...) so that they see the same machine; each figure is the median of
@@ -53,9 +61,13 @@ def _grpc_sink(conn) -> None:
             n += len(message)
         return n.to_bytes(8, "little")
 
+    def echo(request_iterator, context):
+        yield from request_iterator
+
     server = grpc.server(futures.ThreadPoolExecutor(16), options=channel_options())  # 8 streams at once
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)}),)
+        (grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink),
+                                                             "Echo": grpc.stream_stream_rpc_method_handler(echo)}),)
     )
     conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
@@ -127,6 +139,33 @@ def grpc_sender(port: int, chunk: int, payload, channels: int = 1) -> callable:
     return send
 
 
+def grpc_echo(ports: list[int], chunk: int, payload, channels: int = 1) -> callable:
+    """Send ``payload`` (MODEL_BYTES) over ``channels`` bidirectional streams and read every message back.
+
+    Stream ``i`` goes to ``ports[i % len(ports)]`` on a channel of its own
+    (local subchannel pool); each sends its share in messages of at most
+    ``chunk`` bytes while a thread of this process reads the echoes (only
+    their lengths: nothing is copied). Returns once every byte came back.
+    """
+    options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+    opened = [grpc.insecure_channel(f"127.0.0.1:{ports[i % len(ports)]}", options=options) for i in range(channels)]
+    echoes = [channel.stream_stream("/bench.Sink/Echo") for channel in opened]
+    share = -(-MODEL_BYTES // channels)
+    spans = [(lo, min(lo + share, MODEL_BYTES)) for lo in range(0, MODEL_BYTES, share)]
+    pool = futures.ThreadPoolExecutor(channels)
+
+    def one(echo, lo: int, hi: int) -> int:
+        messages = (payload[i : min(i + chunk, hi)].tobytes() for i in range(lo, hi, chunk))
+        return sum(len(reply) for reply in echo(messages, timeout=60))
+
+    def send() -> None:
+        received = sum(pool.map(one, echoes, *zip(*spans)))
+        assert received == MODEL_BYTES, received
+
+    send.close = lambda: ([channel.close() for channel in opened], pool.shutdown())
+    return send
+
+
 def tcp_sender(port: int, payload) -> callable:
     def send() -> None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -163,12 +202,14 @@ def main() -> None:
     counts = sorted({int(n) for n in args.channels.split(",")} | {1})
     torch.set_num_threads(1)
     payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()
-    sinks = [_Sink("grpc"), _Sink("tcp")]
+    sinks = [_Sink("grpc"), _Sink("tcp"), _Sink("grpc")]
     try:
         with LocalCluster(2) as cluster:
             senders = {"tcp": tcp_sender(sinks[1].port, payload)}
             for n in counts:  # "grpc" is the single stream; "grpc_N" N channels at once
                 senders["grpc" if n == 1 else f"grpc_{n}"] = grpc_sender(sinks[0].port, args.chunk_bytes, payload, n)
+            for n in counts:  # both directions at once, over both echo servers (as shardps' 2 shards)
+                senders[f"echo_{n}"] = grpc_echo([sinks[0].port, sinks[2].port], args.chunk_bytes, payload, n)
             dist, senders["shardps"] = shardps_rounds(cluster, args.chunk_bytes, "fp32", "fp32")
             times: dict[str, list[float]] = {k: [] for k in senders}
             for _ in range(args.repeats + 1):  # interleaved, so all see the same machine; first is warm-up
@@ -201,6 +242,12 @@ def main() -> None:
                                                      for n in counts)
         for r in range(1, args.repeats + 1)
     )
+    echo_gbps = {n: 2 * MODEL_BYTES / med[f"echo_{n}"] / 1e9 for n in counts}
+    echo_best = max(echo_gbps, key=echo_gbps.get)
+    echo_pair = statistics.median(
+        (2 * MODEL_BYTES / times["shardps"][r]) / max(2 * MODEL_BYTES / times[f"echo_{n}"][r] for n in counts)
+        for r in range(1, args.repeats + 1)
+    )
     result = {
         "model_bytes": MODEL_BYTES,
         "chunk_bytes": args.chunk_bytes,
@@ -218,9 +265,15 @@ def main() -> None:
         "ratio_to_grpc_multi_channel": ours / multi,
         "ratio_to_grpc_multi_channel_paired_median": multi_pair,
         "goal": {"min_ratio_to_grpc_multi_channel": GOAL, "ratio": ours / multi, "met": ours / multi >= GOAL},
+        "grpc_push_pull_channels_gbps": {str(n): g for n, g in echo_gbps.items()},
+        "grpc_push_pull_ceiling_gbps": echo_gbps[echo_best],
+        "grpc_push_pull_ceiling_channels": echo_best,
+        "ratio_to_grpc_push_pull": ours / echo_gbps[echo_best],
+        "ratio_to_grpc_push_pull_paired_median": echo_pair,
         "round_seconds": times["shardps"][1:],
         "grpc_seconds": times["grpc"][1:],
         "grpc_channels_seconds": {str(n): times["grpc" if n == 1 else f"grpc_{n}"][1:] for n in counts},
+        "grpc_push_pull_seconds": {str(n): times[f"echo_{n}"][1:] for n in counts},
     }
     print(table(
         [
@@ -229,6 +282,8 @@ def main() -> None:
             ["raw-bytes gRPC client stream", f"{ceiling:.2f}", "1.00"],
             *[[f"raw-bytes gRPC, {n} channels at once", f"{g:.2f}", f"{g / ceiling:.2f}"]
               for n, g in channel_gbps.items() if n > 1],
+            *[[f"raw-bytes gRPC push+pull, {n} stream(s) (both directions)", f"{g:.2f}", f"{g / ceiling:.2f}"]
+              for n, g in echo_gbps.items()],
             ["raw TCP socket", f"{tcp:.2f}", f"{tcp / ceiling:.2f}"],
         ],
         [f"64 MiB fp32 model, {args.chunk_bytes >> 10} KiB chunks", "GB/s", "x gRPC"],
@@ -237,6 +292,8 @@ def main() -> None:
     print(f"shardps push+pull / best multi-channel gRPC ceiling ({best} channels, {multi:.2f} GB/s): "
           f"{ours / multi:.2f} (paired median {multi_pair:.2f}); goal >= {GOAL:.1f}: "
           f"{'met' if ours / multi >= GOAL else 'NOT met'}")
+    print(f"shardps push+pull / raw gRPC push+pull ceiling ({echo_best} stream(s), {echo_gbps[echo_best]:.2f} GB/s): "
+          f"{ours / echo_gbps[echo_best]:.2f} (paired median {echo_pair:.2f})")
     emit(result, args.json)
 
 
