@@ -13,9 +13,10 @@ into pageable memory goes through the driver's own staging buffer at a
 fraction of the bus's rate. Pinned blocks come from PyTorch's caching host
 allocator, so a step allocates none after the first.
 
-The same overlap of gradient copies with the backward pass is what
-PyTorch DDP's bucketed reducer and Horovod's fusion buffer do on their own
-side streams. On the CPU nothing is copied: the chunk is only narrowed.
+It is the pattern PyTorch DDP uses for its all-reduce: the collective
+runs on NCCL's own stream, which waits on an event recorded where the
+bucket became ready, so communication overlaps the rest of the backward
+pass. On the CPU nothing is copied: the chunk is only narrowed.
 """
 
 from __future__ import annotations
