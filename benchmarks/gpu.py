@@ -1,7 +1,8 @@
 """GPU data plane: one shardps worker on CUDA against plain single-GPU PyTorch, and where each step's time goes.
 
     python benchmarks/gpu.py [--json PATH] [--device auto|cuda|cpu] [--steps N] [--warmup N]
-                             [--workloads transformer:32,transformer:256,mlp:64] [--shards 2,4] [--repeats 1]
+                             [--workloads transformer:32,transformer:256,mlp:64] [--shards 2,4]
+                             [--wire fp32,bf16] [--repeats 1] [--switch-interval SECONDS]
 
 One worker process (this one) trains on the device; its shards are
 ``--shards`` processes on the same host (2 and 4 by default; started once,
@@ -16,9 +17,16 @@ shards, 4 MiB chunks, pulls overlapped with the next forward (``model=``).
 Without CUDA (or with ``--device cpu``) the same job runs on the CPU, so
 that CI can smoke it; ``--tiny`` shrinks both models for that.
 
+A second baseline, ``torch_cpu_adamw``, runs the same loop with the same
+AdamW stepping fp32 copies of the parameters in host memory, copied back
+each step, as the shards do: the exact oracle of the shardps rows' final
+loss on any device (plain PyTorch on CUDA runs CUDA's fused AdamW, whose
+last-bit rounding Adam's normalized update can amplify).
+
 Figures per row: samples/s over the timed steps (all but the first
 ``--warmup``), its ratio to plain PyTorch's, the final loss (a fixed
-held-out batch, final parameters) and its difference to plain PyTorch's,
+held-out batch, final parameters) and its difference to plain PyTorch's
+and to ``torch_cpu_adamw``'s (``final_loss_abs_diff_vs_cpu_adamw``),
 and where each step's time goes, in ms per step (means over the timed
 steps; medians over ``--repeats``). On CUDA every host-side mark is taken
 after ``torch.cuda.synchronize()``; on CPU ``time.perf_counter()`` alone.
@@ -58,10 +66,11 @@ chunk pulled, and the next step's start), so that the overlap shows.
 round), means over the timed rounds, as a cross-check. Plain PyTorch's
 phases: ``forward``, ``backward``, ``optimizer_step``.
 
-The shardps marks are read from outside the worker's code, in this process:
-the push streams' request iterators (``steps.push_requests``) and their
-chunk queues, the pulled-frame iterator of ``ParameterSink.receive`` and
-``ForwardWaits._wait`` are wrapped; nothing in ``shardps`` changes.
+The shardps marks are read from outside the worker's code, in this process
+(``gpu_probe.py``): the push streams' request iterators
+(``steps.push_requests``) and their chunk queues, the pulled-frame iterator
+of ``ParameterSink.receive`` and ``ForwardWaits._wait`` are wrapped;
+nothing in ``shardps`` changes.
 """
 
 from __future__ import annotations
@@ -70,7 +79,6 @@ import contextlib
 import dataclasses
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -78,6 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import emit, parser, table  # noqa: E402
+from gpu_probe import Probe, StepRecord  # noqa: E402
 from torch import nn  # noqa: E402
 
 LR = 1e-3
@@ -149,140 +158,6 @@ def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-# ---------------------------------------------------------------- the worker's timeline, measured from outside
-
-
-class StepRecord:
-    """What the probes saw of one step's round (perf_counter seconds; per-shard marks by shard index)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.sums: dict[str, float] = {}
-        self.push_start: dict[int, float] = {}
-        self.push_end: dict[int, float] = {}
-        self.first_pulled: dict[int, float] = {}
-        self.last_pulled: dict[int, float] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        with self.lock:
-            self.sums[name] = self.sums.get(name, 0.0) + seconds
-
-    def first(self, marks: dict[int, float], shard: int, t: float) -> None:
-        with self.lock:
-            marks.setdefault(shard, t)
-
-    def last(self, marks: dict[int, float], shard: int, t: float) -> None:
-        with self.lock:
-            marks[shard] = t
-
-
-class _TimedQueue:
-    """A push stream's chunk queue whose ``get`` times the wait and does the gradient's copy to host itself.
-
-    ``push_requests`` copies a gradient chunk to host memory in the wire type (``HostCopies``: on CUDA a
-    side stream that waits for the gradient's own event, into pinned memory) right after taking it off the
-    queue, on the same thread; this does exactly that copy one call earlier, with the worker's own
-    ``HostCopies``, timed, and hands over the host copy, whose own copy is then a no-op.
-    """
-
-    def __init__(self, inner, record: StepRecord, shard: int, push_dtype: torch.dtype) -> None:
-        from shardps.worker.pipeline.device import HostCopies
-
-        self.inner, self.record, self.shard, self.push_dtype = inner, record, shard, push_dtype
-        self.to_host = HostCopies()
-
-    def put(self, item) -> None:
-        self.inner.put(item)
-
-    def get(self, *args, **kwargs):
-        t = now()
-        item = self.inner.get(*args, **kwargs)
-        t1 = now()
-        self.record.add("queue_wait", t1 - t)
-        if item is not None and item[0] == "grad":
-            self.record.first(self.record.push_start, self.shard, t1)
-            host = self.to_host(item[2], self.push_dtype, item[3] if len(item) > 3 else None)
-            self.record.add("grad_copy_off_device", now() - t1)  # on CUDA: waiting for the gradient, then the copy
-            item = ("grad", item[1], host)
-        return item
-
-
-class Probe:
-    """Wraps the worker's push streams, pulled-frame reader and forward waits in this process (see the docstring)."""
-
-    def __init__(self) -> None:
-        self.step = -1
-        self.records: dict[int, StepRecord] = {}
-        self._undo: list = []
-
-    def record(self, step: int) -> StepRecord:
-        return self.records.setdefault(step, StepRecord())
-
-    def install(self) -> "Probe":
-        from shardps.worker.pipeline import overlap, steps, streams
-
-        probe = self
-        push_requests, receive, wait = steps.push_requests, streams.ParameterSink.receive, overlap.ForwardWaits._wait
-
-        def timed_push_requests(header, shard, push_dtype, checksum, rnd, commit_timeout):
-            record = rnd._bench_record = probe.record(probe.step)  # opened by this step's first gradient hook
-            rnd.queues[shard] = _TimedQueue(rnd.queues[shard], record, shard, push_dtype)
-            frames = push_requests(header, shard, push_dtype, checksum, rnd, commit_timeout)
-
-            def timed():
-                while True:
-                    t = now()
-                    try:
-                        frame = next(frames)
-                    except StopIteration:
-                        record.last(record.push_end, shard, now())  # the last frame went to gRPC
-                        return
-                    t1 = now()
-                    record.add("push_inside", t1 - t)  # queue wait + copy off the device + encoding
-                    yield frame
-                    record.add("push_send", now() - t1)  # gRPC writing the frame
-
-            return timed()
-
-        def timed_receive(sink, client, call, min_version, what, rnd=None):
-            record = getattr(rnd, "_bench_record", None)
-            if record is None:  # the initial pull
-                return receive(sink, client, call, min_version, what, rnd)
-            shard = client.index
-
-            def frames():
-                asked = now()
-                for raw in call:
-                    t = now()
-                    record.add("pull_network_wait", t - asked)
-                    record.first(record.first_pulled, shard, t)
-                    record.last(record.last_pulled, shard, t)
-                    yield raw
-                    asked = now()
-                    record.add("copy_onto_device", asked - t)  # decoding and copying the frame into the model
-
-            return receive(sink, client, frames(), min_version, what, rnd)
-
-        def timed_wait(waits, module, args):
-            t = now()
-            try:
-                return wait(waits, module, args)
-            finally:
-                probe.record(probe.step).add("forward_wait_for_pull", now() - t)
-
-        steps.push_requests = timed_push_requests
-        streams.ParameterSink.receive = timed_receive
-        overlap.ForwardWaits._wait = timed_wait
-        self._undo = [(steps, "push_requests", push_requests), (streams.ParameterSink, "receive", receive),
-                      (overlap.ForwardWaits, "_wait", wait)]
-        return self
-
-    def remove(self) -> None:
-        for owner, name, original in self._undo:
-            setattr(owner, name, original)
-        self._undo = []
-
-
 # ---------------------------------------------------------------- the runs
 
 
@@ -291,23 +166,40 @@ def _mean(values) -> float:
     return 1e3 * statistics.fmean(values) if values else 0.0
 
 
-def run_torch(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync) -> dict:
-    """Plain PyTorch on ``device``: AdamW(fused=True); samples/s, final loss, phases."""
+def run_torch(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync,
+              optimizer_on_cpu: bool = False) -> dict:
+    """Plain PyTorch on ``device``: AdamW(fused=True); samples/s, final loss, phases.
+
+    ``optimizer_on_cpu``: the same AdamW steps fp32 copies of the parameters in host memory, and the
+    parameters are copied back each step, as shardps' shards do. Its final loss is the exact oracle of the
+    shardps rows on any device; plain PyTorch's on CUDA runs CUDA's fused AdamW, whose last-bit rounding
+    differs from the CPU's, which Adam's normalized update can amplify (docs/performance.md).
+    """
     model = make_model(kind, s, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    params = list(model.parameters())
+    masters = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_() for p in params]
+    opt = torch.optim.AdamW(masters if optimizer_on_cpu else params, lr=LR, fused=True)
     batches = [batch(kind, s, i, rows, device) for i in range(steps)]
     marks = []
     sync()
     for i, (x, y) in enumerate(batches):
         t0 = now()
-        opt.zero_grad()
+        model.zero_grad()
         loss = loss_of(model, x, y)
         sync()
         t1 = now()
         loss.backward()
         sync()
         t2 = now()
-        opt.step()
+        if optimizer_on_cpu:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.to("cpu", torch.float32)
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        else:
+            opt.step()
         sync()
         marks.append((t0, t1, t2, now()))
     timed = marks[warmup:]
@@ -503,7 +395,8 @@ def main() -> None:
     wires = args.wire.split(",")
     if any(w not in ("fp32", "bf16", "fp16") for w in wires):
         p.error(f"bad --wire {args.wire!r}: fp32, bf16 or fp16, comma-separated")
-    systems = ["torch", *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") for n in shard_counts for w in wires]]
+    systems = ["torch", "torch_cpu_adamw",
+               *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") for n in shard_counts for w in wires]]
     rows_out = []
     from shardps.worker import LocalCluster
 
@@ -527,21 +420,25 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
         for _ in range(args.repeats):
             for system in systems:
                 print(f"{kind} x {rows}: {system} ...", flush=True)
-                if system == "torch":
-                    runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync))
+                if system.startswith("torch"):
+                    runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync,
+                                                  optimizer_on_cpu=system == "torch_cpu_adamw"))
                 else:
                     _, n, *wire = system.split("_")
                     runs[system].append(run_shardps(kind, sizes, rows, steps, warmup, device, sync,
                                                     clusters[int(n)], args.chunk_bytes, (wire or ["fp32"])[0]))
-        base = _median_rows(runs["torch"])
+        base, oracle = _median_rows(runs["torch"]), _median_rows(runs["torch_cpu_adamw"])
         for system in systems:
             r = base if system == "torch" else _median_rows(runs[system])
+            shardps = system.startswith("shardps")
             rows_out.append({
                 "workload": kind, "samples_per_step": rows, "params": params, "system": system,
-                "shards": 0 if system == "torch" else int(system.split("_")[1]),
-                "push_dtype": "fp32" if system.count("_") < 2 else system.split("_")[2], **r,
+                "shards": int(system.split("_")[1]) if shardps else 0,
+                "push_dtype": system.split("_")[2] if shardps and system.count("_") == 2 else "fp32", **r,
                 "ratio_samples_per_s_vs_torch": r["samples_per_s"] / base["samples_per_s"],
                 "final_loss_abs_diff": abs(r["final_loss"] - base["final_loss"]),
+                # the exact oracle: the same AdamW on the CPU, as the shards run it
+                "final_loss_abs_diff_vs_cpu_adamw": abs(r["final_loss"] - oracle["final_loss"]),
             })
     return rows_out
 
@@ -549,9 +446,10 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
 def print_tables(rows_out: list[dict]) -> None:
     print(table(
         [[f"{r['workload']} x {r['samples_per_step']}", r["system"], f"{r['samples_per_s']:.1f}",
-          f"{r['ratio_samples_per_s_vs_torch']:.2f}", f"{r['final_loss']:.6f}", f"{r['final_loss_abs_diff']:.1e}"]
+          f"{r['ratio_samples_per_s_vs_torch']:.2f}", f"{r['final_loss']:.6f}", f"{r['final_loss_abs_diff']:.1e}",
+          f"{r['final_loss_abs_diff_vs_cpu_adamw']:.1e}"]
          for r in rows_out],
-        ["workload", "system", "samples/s", "x torch", "final loss", "|diff|"],
+        ["workload", "system", "samples/s", "x torch", "final loss", "|diff|", "|diff| vs AdamW on CPU"],
     ))
     phase_names = ["forward", "forward_wait_for_pull", "backward", "step_call", "grad_copy_off_device", "push",
                    "push_after_backward", "round_wait", "pull", "push_pull_overlap", "copy_onto_device",
@@ -559,7 +457,7 @@ def print_tables(rows_out: list[dict]) -> None:
     print("\nms per step (shardps rows; plain torch: forward / backward / optimizer step)")
     print(table(
         [[f"{r['workload']} x {r['samples_per_step']}", r["system"], f"{r['step_ms']:.1f}",
-          *([f"{r['phases_ms'][k]:.1f}" for k in phase_names] if r["system"] != "torch" else
+          *([f"{r['phases_ms'][k]:.1f}" for k in phase_names] if r["system"].startswith("shardps") else
             [f"{r['phases_ms']['forward']:.1f}", "-", f"{r['phases_ms']['backward']:.1f}",
              f"{r['phases_ms']['optimizer_step']:.1f}", *["-"] * (len(phase_names) - 4)])]
          for r in rows_out],
@@ -570,7 +468,7 @@ def print_tables(rows_out: list[dict]) -> None:
     print("\ntimeline, ms from the step's start (shardps rows)")
     print(table(
         [[f"{r['workload']} x {r['samples_per_step']}", r["system"], *[f"{r['timeline_ms'][k]:.1f}" for k in marks]]
-         for r in rows_out if r["system"] != "torch"],
+         for r in rows_out if r["system"].startswith("shardps")],
         ["workload", "system", *marks],
     ))
 

@@ -39,17 +39,20 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
     assert result["timed_steps"] == 2
     rows = {(r["workload"], r["samples_per_step"], r["system"]): r for r in result["rows"]}
     workloads = [("transformer", 2), ("transformer", 4), ("mlp", 4)]
-    systems = ("torch", "shardps_2", "shardps_2_bf16", "shardps_4", "shardps_4_bf16")
+    systems = ("torch", "torch_cpu_adamw", "shardps_2", "shardps_2_bf16", "shardps_4", "shardps_4_bf16")
     assert set(rows) == {(*w, s) for w in workloads for s in systems}
     for w in workloads:
         base = rows[(*w, "torch")]
         assert base["samples_per_s"] > 0 and set(base["phases_ms"]) == {"forward", "backward", "optimizer_step"}
         assert base["ratio_samples_per_s_vs_torch"] == 1.0
+        oracle = rows[(*w, "torch_cpu_adamw")]  # the same AdamW on host copies: on the CPU, plain PyTorch itself
+        assert oracle["final_loss_abs_diff"] < 1e-6 and oracle["final_loss_abs_diff_vs_cpu_adamw"] == 0.0
         for shards in (2, 4):
             r = rows[(*w, f"shardps_{shards}")]
             assert r["shards"] == shards and r["samples_per_s"] > 0 and r["ratio_samples_per_s_vs_torch"] > 0
             # sync, one worker, the same fused AdamW on the shards: the same final loss
             assert r["final_loss_abs_diff"] < 1e-5, (w, shards, r["final_loss"], base["final_loss"])
+            assert r["final_loss_abs_diff_vs_cpu_adamw"] < 1e-5, (w, shards, r["final_loss"], oracle["final_loss"])
             assert set(r["phases_ms"]) == PHASES and set(r["timeline_ms"]) == MARKS
             assert all(v >= 0 for v in r["phases_ms"].values()), r["phases_ms"]
             assert r["phases_ms"]["push"] > 0 and r["phases_ms"]["pull"] >= 0 and r["phases_ms"]["backward"] > 0
