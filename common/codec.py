@@ -196,7 +196,12 @@ def _length(data: object) -> str:
         return type(data).__name__
 
 
-def _check_payload(header: pb.ChunkHeader, payload: memoryview) -> torch.dtype:
+def check_payload(header: pb.ChunkHeader, payload: memoryview) -> torch.dtype:
+    """The wire dtype of a chunk whose payload fits its header (as :func:`copy_payload` checks it).
+
+    Raises:
+        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
+    """
     dtype = TORCH_DTYPES.get(header.dtype)
     if dtype is None:
         raise FrameError(f"chunk of key {header.key!r} has unsupported dtype {header.dtype}")
@@ -226,7 +231,7 @@ def copy_payload(header: pb.ChunkHeader, payload: memoryview, dst: torch.Tensor)
         FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
         ValueError: ``dst`` does not have ``header.numel`` elements.
     """
-    dtype = _check_payload(header, payload)
+    dtype = check_payload(header, payload)
     if dst.numel() != header.numel:
         raise ValueError(f"destination has {dst.numel()} elements, the chunk {header.numel}")
     if header.numel == 0:
@@ -247,7 +252,7 @@ def payload_tensor(header: pb.ChunkHeader, payload: memoryview, *, pin: bool = F
     Raises:
         FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
     """
-    scratch = torch.empty(header.numel, dtype=_check_payload(header, payload), pin_memory=pin)
+    scratch = torch.empty(header.numel, dtype=check_payload(header, payload), pin_memory=pin)
     _memcpy(scratch, payload)
     return scratch
 

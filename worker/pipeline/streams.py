@@ -24,7 +24,8 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import (
-    FrameError, copy_payload, decode_frame, encode_chunk, encode_control, encode_round, payload_tensor,
+    FrameError, check_payload, copy_payload, decode_frame, encode_chunk, encode_control, encode_round,
+    payload_tensor,
 )
 from shardps.common.plan import Chunk, PartitionPlan
 from shardps.worker.pipeline.device import HostCopies
@@ -285,9 +286,13 @@ class ParameterSink:
                         raise RuntimeError(f"shard {shard} sent version {h.version}, expected {version or min_version}")
                     target = self.buffers[c.key] if c.buffer else self.params[c.key].data
                     count += 1
-                    if held is not None:  # CUDA: staged in pinned memory now, onto the device at the end
-                        held.append((h, payload_tensor(h, frame.payload, pin=True) if target.is_cuda
-                                     else frame.payload, target, c))
+                    if held is not None:  # checked now: a bad frame fails the pull before any chunk is copied
+                        if target.is_cuda:  # staged in pinned memory now, onto the device at the end
+                            payload = payload_tensor(h, frame.payload, pin=True)
+                        else:
+                            check_payload(h, frame.payload)
+                            payload = frame.payload
+                        held.append((h, payload, target, c))
                         continue
                     copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     if rnd is not None:
