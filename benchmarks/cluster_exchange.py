@@ -1,7 +1,8 @@
 """The parameter-server exchange's own ceiling on the emulated links: raw-bytes gRPC, no shardps code.
 
     python benchmarks/cluster_exchange.py [--workers 4] [--shards 4] [--rate-mbit 100]
-                                          [--chunk-kib 1024,256] [--repeats 3] [--json PATH]
+                                          [--chunk-kib 1024,256] [--repeats 3] [--host-qdisc fifo|fair]
+                                          [--json PATH]
 
 The same hosts and links as ``benchmarks/cluster.py`` (``cluster_net.py``).
 Each worker host opens one bidirectional gRPC call to each shard host, with
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cluster_net import Network, probe  # noqa: E402
+from cluster_net import HOST_QDISCS, Network, probe  # noqa: E402
 
 PORT = 50061
 METHOD = "/exchange.Shard/PushPull"
@@ -133,6 +134,8 @@ def main() -> int:
     p.add_argument("--rate-mbit", type=float, default=100.0, help="each host's link, Mbit/s, each direction")
     p.add_argument("--chunk-kib", default="1024,256", help="comma-separated chunk sizes, KiB")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--host-qdisc", choices=HOST_QDISCS, default="fifo",
+                   help="a host's egress queue: one FIFO, or shared evenly among the hosts it sends to (cluster_net.py)")
     p.add_argument("--json", type=Path)
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: a shard host for N workers
     p.add_argument("--client", nargs=7, help=argparse.SUPPRESS)  # internal: a worker host
@@ -159,7 +162,7 @@ def main() -> int:
     servers: list[subprocess.Popen] = []
     rows = []
     try:
-        cleanup.network = net = Network(hosts, {h: rate * 8 for h in hosts})
+        cleanup.network = net = Network(hosts, {h: rate * 8 for h in hosts}, host_qdisc=args.host_qdisc)
         net.create()
         me = [sys.executable, str(Path(__file__).resolve())]
         for j in range(s):
@@ -197,7 +200,7 @@ def main() -> int:
     print(table([[r["mode"], f"{r['chunk_bytes'] >> 10}", f"{r['seconds']:.2f}", f"{r['bound_seconds']:.2f}",
                   f"{r['fraction_of_bound']:.2f}"] for r in rows],
                 ["mode", "chunk KiB", "exchange s", "link-bound s", "of bound"]))
-    emit({"workers": n, "shards": s, "rate_mbit": args.rate_mbit, "model_bytes_fp32": PARAMS * 4,
+    emit({"workers": n, "shards": s, "rate_mbit": args.rate_mbit, "host_qdisc": args.host_qdisc, "model_bytes_fp32": PARAMS * 4,
           "repeats": args.repeats, "rows": rows}, args.json)
     return 0
 

@@ -30,6 +30,7 @@ import signal
 import subprocess
 
 SUBNET_PREFIX = "10.200."
+HOST_QDISCS = ("fifo", "fair")
 MTU = 1500
 
 
@@ -78,9 +79,18 @@ class Network:
         hosts: host names in order (``w0``, ``s0``, ...); host ``i`` gets 10.200.0.<i+1>.
         rates_bit: each host's link rate in bits/s, both directions.
         delay_ms: one-way delay added on the switch end of every link (``netem``), milliseconds; 0: none.
+        host_qdisc: how a host's own egress queue is served: ``"fifo"`` (the token bucket's one queue, the
+            default) or ``"fair"`` (the host's rate shared evenly among the hosts it sends to: HTB, one class
+            per peer with an even guaranteed share and the whole rate as ceiling, classified by destination
+            address; what ``fq``/``fq_codel`` do per flow on a real host, which this machine's kernel lacks).
+            The switch ends stay FIFO, as a switch port is.
+
+    Raises:
+        ValueError: more than 250 hosts, or an unknown ``host_qdisc``.
     """
 
-    def __init__(self, hosts: list[str], rates_bit: dict[str, float], delay_ms: float = 0.0) -> None:
+    def __init__(self, hosts: list[str], rates_bit: dict[str, float], delay_ms: float = 0.0,
+                 host_qdisc: str = "fifo") -> None:
         if len(hosts) > 250:
             raise ValueError("at most 250 hosts")
         self.tag = f"sps{os.getpid()}"
@@ -88,6 +98,9 @@ class Network:
         self.hosts = hosts
         self.rates_bit = rates_bit
         self.delay_ms = delay_ms
+        if host_qdisc not in HOST_QDISCS:
+            raise ValueError(f"host_qdisc must be one of {HOST_QDISCS}, not {host_qdisc!r}")
+        self.host_qdisc = host_qdisc
         self.namespaces: list[str] = []  # created, in order
         self.ns = {h: f"{self.tag}h{i}" for i, h in enumerate(hosts)}
         self.address = {h: f"{SUBNET_PREFIX}0.{i + 1}" for i, h in enumerate(hosts)}
@@ -114,7 +127,10 @@ class Network:
             run("ip", "-n", ns, "addr", "add", f"{self.address[host]}/16", "dev", "eth0")
             run("ip", "-n", ns, "link", "set", "eth0", "up")
             rate = self.rates_bit[host]
-            run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(rate))
+            if self.host_qdisc == "fair":
+                self._fair_egress(host, rate)
+            else:
+                run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(rate))
             if self.delay_ms > 0:
                 run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "handle", "1:", *tbf_args(rate))
                 run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "parent", "1:1", "handle", "10:", "netem",
@@ -122,6 +138,25 @@ class Network:
             else:
                 run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(rate))
         return self
+
+    def _fair_egress(self, host: str, rate: float) -> None:
+        """``host``'s egress at ``rate`` bits/s, shared evenly among the hosts it sends to (HTB, one class each)."""
+        ns = self.ns[host]
+        peers = [h for h in self.hosts if h != host]
+        share = rate / len(peers)
+        burst = str(max(32 << 10, int(rate / 8 * 0.002)))
+        # unclassified packets (ARP) go to the first peer's class, 1:a
+        run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "a")
+        run("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
+            "rate", f"{int(rate)}bit", "ceil", f"{int(rate)}bit", "burst", burst, "cburst", burst)
+        for k, peer in enumerate(peers):
+            cls = f"1:{k + 10:x}"
+            run("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:1", "classid", cls, "htb",
+                "rate", f"{int(share)}bit", "ceil", f"{int(rate)}bit", "burst", burst, "cburst", burst,
+                "quantum", str(MTU))
+            run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "parent", cls, "pfifo", "limit", "1000")
+            run("tc", "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "dst", f"{self.address[peer]}/32", "flowid", cls)
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """``{host: (bytes the host sent, bytes it received)}`` so far, from the switch ends' counters."""
