@@ -18,8 +18,10 @@ hyperparameters come with the header (``RoundHeader.options``), so every
 element gets the value a plain round gives it, bit for bit.
 
 All or nothing: before a chunk's first apply its parameters and optimizer
-state are copied (``ShardOptimizer.save_units``), and the average goes to
-a buffer of the round's own, so the pushes stay as they arrived; a round
+state are copied (``ShardOptimizer.save_units``), and the average of
+several members' pushes goes to a buffer of the round's own, so the pushes
+stay as they arrived (one member's push is stepped where it was staged:
+nothing applies it again); a round
 that must be refused after some chunks were applied (an update that would
 not be finite) is undone from those copies, its hyperparameters put back,
 and every member's call ends with the error: the shard is as before the
@@ -406,9 +408,12 @@ class StreamedRounds:
         members = [m.worker_id for m in rnd.frozen]
         lead = members[0]
         grads = [rnd.staging[w][0] for w in members]
-        if rnd.average is None:
+        # One member: its push is the average, stepped from where it was staged. The copy kept for
+        # several members exists so that a round applied again without one of them (REWIND) finds the
+        # others' pushes as they came; a round of one member is never applied again with that push.
+        if len(grads) > 1 and rnd.average is None:
             rnd.average = rounds.take_staging()[0]
-        average = rnd.average
+        average = rnd.average if len(grads) > 1 else grads[0]
         stepped = [i for i in ready if len(rnd.absent[i]) < len(members)]
         present = {table.chunks[i].key_index for i in stepped}
         lrs = list(rnd.headers[lead].options.lrs)
@@ -427,13 +432,13 @@ class StreamedRounds:
                 rnd.hyperparams_before = optimizer.saved_hyperparams()
                 if lead_hyperparams is not None:
                     optimizer.set_hyperparams(lead_hyperparams)
-            for i in ready:  # the order of optimizer.average_: the same float32 sums, bit for bit
+            for i in ready if len(grads) > 1 else ():  # optimizer.average_'s order: the same float32 sums
                 c = table.chunks[i]
-                dst = table.view(average, c).copy_(table.view(grads[0], c))  # the pushes stay as they came
-                for other in grads[1:]:
+                # the pushes stay as they came: the first sum goes straight into the round's own buffer
+                dst = torch.add(table.view(grads[0], c), table.view(grads[1], c), out=table.view(average, c))
+                for other in grads[2:]:
                     dst.add_(table.view(other, c))
-                if len(grads) > 1:
-                    dst.mul_(1.0 / len(grads))
+                dst.mul_(1.0 / len(grads))
             rnd.saved.extend(optimizer.save_units(stepped))
             optimizer.apply(average, present, lrs, 1.0, check, grad_bound=bound, units=set(stepped))
             frames = {}
