@@ -66,10 +66,14 @@ def probe() -> str | None:
     return None
 
 
+def burst_bytes(rate_bit: float) -> int:
+    """The bucket of a link at ``rate_bit`` bits/s: ~2 ms of its bytes, at least 32 KiB."""
+    return max(32 << 10, int(rate_bit / 8 * 0.002))
+
+
 def tbf_args(rate_bit: float) -> list[str]:
-    """``tc`` arguments of a token bucket at ``rate_bit`` bits/s: a burst of ~2 ms (>= 32 KiB), 100 ms of queue."""
-    burst = max(32 << 10, int(rate_bit / 8 * 0.002))
-    return ["tbf", "rate", f"{int(rate_bit)}bit", "burst", str(burst), "latency", "100ms"]
+    """``tc`` arguments of a token bucket at ``rate_bit`` bits/s: a burst of ``burst_bytes``, 100 ms of queue."""
+    return ["tbf", "rate", f"{int(rate_bit)}bit", "burst", str(burst_bytes(rate_bit)), "latency", "100ms"]
 
 
 class Network:
@@ -144,7 +148,7 @@ class Network:
         ns = self.ns[host]
         peers = [h for h in self.hosts if h != host]
         share = rate / len(peers)
-        burst = str(max(32 << 10, int(rate / 8 * 0.002)))
+        burst = str(burst_bytes(rate))
         # unclassified packets (ARP) go to the first peer's class, 1:a
         run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "a")
         run("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",

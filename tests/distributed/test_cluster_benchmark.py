@@ -93,14 +93,16 @@ EXCHANGE = REPO / "benchmarks" / "cluster_exchange.py"
 
 
 def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
-    """benchmarks/cluster_exchange.py (raw gRPC over the same emulated links) runs at its smallest size: both
-    modes are in the JSON with a positive time and bound, and no namespace of the run is left."""
+    """benchmarks/cluster_exchange.py (raw gRPC over the same emulated links) runs at its smallest size, with
+    each host's egress shared evenly among its peers (``--host-qdisc fair``; test_cluster_benchmark runs the
+    default one-FIFO links): both modes are in the JSON with a positive time and bound, the links held them
+    below it, and no namespace of the run is left."""
     _, probe = run(["--probe"], timeout=60)
     if probe.returncode == EXIT_NO_NAMESPACES:
         pytest.skip(probe.stderr.strip() or "network namespaces cannot be made here (no CAP_NET_ADMIN)")
     out = tmp_path / "exchange.json"
     proc = subprocess.Popen([sys.executable, str(EXCHANGE), "--workers", "2", "--shards", "1", "--rate-mbit", "1000",
-                             "--chunk-kib", "256", "--repeats", "1", "--json", str(out)], stdout=subprocess.PIPE,
+                             "--chunk-kib", "256", "--repeats", "1", "--host-qdisc", "fair", "--json", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
@@ -112,7 +114,8 @@ def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
     assert not left, f"namespaces left behind: {left}"
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["workers"] == 2 and result["shards"] == 1 and "machine" in result
+    assert result["workers"] == 2 and result["shards"] == 1 and result["host_qdisc"] == "fair"
+    assert "machine" in result
     assert [r["mode"] for r in result["rows"]] == ["independent", "gated"]
     for row in result["rows"]:
         assert row["chunk_bytes"] == 256 << 10
