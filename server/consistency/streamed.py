@@ -432,13 +432,14 @@ class StreamedRounds:
                 rnd.hyperparams_before = optimizer.saved_hyperparams()
                 if lead_hyperparams is not None:
                     optimizer.set_hyperparams(lead_hyperparams)
-            for i in ready if len(grads) > 1 else ():  # optimizer.average_'s order: the same float32 sums
-                c = table.chunks[i]
-                # the pushes stay as they came: the first sum goes straight into the round's own buffer
-                dst = torch.add(table.view(grads[0], c), table.view(grads[1], c), out=table.view(average, c))
-                for other in grads[2:]:
-                    dst.add_(table.view(other, c))
-                dst.mul_(1.0 / len(grads))
+            if len(grads) > 1:
+                for i in ready:  # optimizer.average_'s order: the same float32 sums, bit for bit
+                    c = table.chunks[i]
+                    # the pushes stay as they came: the first sum goes straight into the round's own buffer
+                    dst = torch.add(table.view(grads[0], c), table.view(grads[1], c), out=table.view(average, c))
+                    for other in grads[2:]:
+                        dst.add_(table.view(other, c))
+                    dst.mul_(1.0 / len(grads))
             rnd.saved.extend(optimizer.save_units(stepped))
             optimizer.apply(average, present, lrs, 1.0, check, grad_bound=bound, units=set(stepped))
             frames = {}

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import benchmark_module
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "cluster.py"
 SYSTEMS = ("sync", "sync_bf16", "sync_plain", "sync_clip", "async", "ddp", "ddp_fp16")
@@ -90,6 +92,14 @@ def test_cluster_benchmark(tmp_path: Path) -> None:
 
 
 EXCHANGE = REPO / "benchmarks" / "cluster_exchange.py"
+
+
+def test_an_unknown_host_queue_is_refused_before_anything_is_made() -> None:
+    net = benchmark_module("cluster_net")
+    before = net.list_namespaces()
+    with pytest.raises(ValueError, match="host_qdisc must be one of"):
+        net.Network(["w0", "s0"], {"w0": 1e8, "s0": 1e8}, host_qdisc="fq")
+    assert net.list_namespaces() == before
 
 
 def test_cluster_exchange_benchmark(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import benchmark_module
+
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("ddp", "sync", "ssp", "async")
 STEPS = 8
@@ -81,23 +83,11 @@ def test_straggler_benchmark(tmp_path: Path) -> None:
     assert "samples/s" in stdout and "persistent" in stdout
 
 
-def _benchmark_module(name: str):
-    """Import ``benchmarks/<name>.py`` (the benchmarks import each other by file name)."""
-    import importlib
-
-    saved = list(sys.path)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved  # straggler.py adds its folder too
-
-
 def test_repeated_runs_are_averaged_and_the_cosine_schedule_goes_by_round() -> None:
     """``--repeats``: means and sample standard deviations of samples/s, loss and wall time, each run kept;
     ``--schedule cosine``: factor 1 at the first round, falling every round towards 0 at the budget's end, the same
     for every batch of a round."""
-    straggler, job = _benchmark_module("straggler"), _benchmark_module("straggler_job")
+    straggler, job = benchmark_module("straggler"), benchmark_module("straggler_job")
     runs = [{"samples_per_s": s, "final_loss": loss, "wall_seconds": w, "steps_per_worker": [k, 2, 3]}
             for k, (s, loss, w) in enumerate([(300.0, 0.70, 10.0), (400.0, 0.80, 8.0), (500.0, 0.75, 6.0)])]
     combined = straggler.combine(runs)
@@ -120,7 +110,7 @@ def test_the_straggler_simulation_matches_hand_computed_cases() -> None:
     """``straggler_sim``: async with a persistent 2x straggler and no overhead finishes 30 unit steps at t = 12
     (the two fast workers do 12 each, the slow one 6); ssp with s = 0 is a barrier at every step, so it takes
     exactly the lockstep time; a bound larger than the budget is async; a bad budget is refused."""
-    sim, job = _benchmark_module("straggler_sim"), _benchmark_module("straggler_job")
+    sim, job = benchmark_module("straggler_sim"), benchmark_module("straggler_job")
     persistent = {"scenario": "persistent", "persistent_factor": 2.0, "base_seconds": 1.0}
     assert sim.claimed_seconds(lambda w, k: job.delay(persistent, w, k), 30, 0.0) == 12.0
     assert sim.lockstep_seconds(lambda w, k: job.delay(persistent, w, k), 10, 0.0) == 20.0

@@ -13,6 +13,18 @@ from shardps.worker.session.client import ShardClient
 from tests.support.forked import ForkedPopen
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def benchmark_module(name: str):
+    """Import ``benchmarks/<name>.py`` (the benchmarks import each other by file name); ``sys.path`` is put back."""
+    import importlib
+
+    saved = list(sys.path)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved  # some benchmarks add their folder too
 #: ``SHARDPS_TEST_EXEC=1``: worker processes start cold (``python -m``) instead of forked from the forkserver.
 EXEC = os.environ.get("SHARDPS_TEST_EXEC") == "1"
 
