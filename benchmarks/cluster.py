@@ -2,7 +2,8 @@
 
     python benchmarks/cluster.py [--workers 4] [--shards 4] [--rate-mbit 100] [--delay-ms 0] [--steps 6]
                                  [--systems sync,sync_bf16,sync_plain,sync_clip,async,ddp,ddp_fp16]
-                                 [--straggler] [--json PATH]
+                                 [--straggler] [--chunk-bytes 262144] [--push-credit-bytes 1048576]
+                                 [--host-qdisc fifo|fair] [--tcp-cc reno|cubic|bbr] [--json PATH]
 
 N worker hosts and S shard hosts are emulated with Linux network
 namespaces, one per host, each wired by a veth pair to a bridge in a switch
@@ -16,7 +17,10 @@ per step with fused AdamW (lr 1e-3), one torch thread, as:
 
 - ``sync``: shardps, bulk synchronous rounds, fp32 on the wire, streamed
   (``WireOptions(streamed=True)``: each chunk applied and sent back as soon
-  as every worker pushed it, so every link sends and receives at once);
+  as every worker pushed it, so every link sends and receives at once),
+  with ``--push-credit-bytes`` of credit (``WireOptions.push_credit_bytes``,
+  default 1 MiB here: a worker's stream to a shard keeps at most that much
+  unanswered);
 - ``sync_bf16``: the same with bf16 gradients and parameters on the wire;
 - ``sync_plain``: sync rounds unstreamed (the whole push, then the whole pull);
 - ``sync_clip``: sync with ``max_grad_norm=1.0``, which needs every shard's
@@ -54,6 +58,9 @@ first push (``DistributedOptimizer.last_timeline``): a first pull before the
 push end is the overlap (async rows too: a shard answers once the worker's
 part for it has arrived). ``--straggler``: the last worker
 host's link runs at half the rate (default systems: async, ddp).
+``--host-qdisc fair`` shares each host's egress evenly among the hosts it
+sends to; ``--tcp-cc`` sets the hosts' TCP congestion control (default: a
+new namespace's, the root namespace's); the JSON names the one that ran.
 
 Needs CAP_NET_ADMIN (root): without it, exits with status 77 and says why.
 Every namespace, veth, bridge and process it makes is removed at exit, on
@@ -78,7 +85,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_net import Network, probe  # noqa: E402
+from cluster_net import HOST_QDISCS, Network, probe  # noqa: E402
 from common import cpu_seconds, emit, parser, table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -219,7 +226,8 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
         budget = Path(log_dir, f"budget-{system}")
         budget.write_text("0")
         task = {"cmd": "run", "system": system, "steps": args.steps, "warmup": args.warmup, "per_worker": PER_WORKER,
-                "chunk_bytes": args.chunk_bytes, "budget_file": str(budget),
+                "chunk_bytes": args.chunk_bytes, "push_credit_bytes": args.push_credit_bytes,
+                "budget_file": str(budget),
                 "servers": ",".join(f"{net.address[f's{j}']}:{SHARD_PORT}" for j in range(s)),
                 "master": f"{net.address['w0']}:{29500 + index}"}
         for w in workers:
@@ -291,11 +299,19 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per worker host")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the shards' Init is in the first)")
     p.add_argument("--systems", help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; --straggler: async,ddp)")
+    p.add_argument("--host-qdisc", choices=HOST_QDISCS, default="fifo",
+                   help="a host's egress queue: one FIFO (default), or shared evenly among the hosts it sends to")
+    p.add_argument("--tcp-cc", help="the hosts' TCP congestion control (reno, cubic, bbr; default: what a new "
+                   "namespace gets, the root namespace's)")
     p.add_argument("--straggler", action="store_true", help="the last worker host's link at half the rate")
     p.add_argument("--chunk-bytes", type=int, default=256 << 10,
                    help="shardps chunk size, bytes (default 256 KiB: a shard sends a chunk of a streamed round back "
                         "once every worker pushed it, so smaller chunks keep the links busier; at 4 x 4 and 100 "
                         "Mbit/s sync ran 0.66 of its link bound with WireOptions' default 1 MiB, 0.70 with 256 KiB)")
+    p.add_argument("--push-credit-bytes", type=int, default=1 << 20,
+                   help="streamed rounds: WireOptions(push_credit_bytes=...), bytes of chunks a worker's stream to a "
+                        "shard may have unanswered (default 1 MiB: 4 x 4 hosts at 100 Mbit/s ran sync 6%% faster "
+                        "than without; 0: no limit)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take beyond 3x its link bound")
     p.add_argument("--lease-seconds", type=float, default=120.0,
                    help="shards' worker lease, s (default 120: a heartbeat waits behind megabytes on a slow link)")
@@ -304,8 +320,10 @@ def main() -> int:
     systems = (args.systems or ("async,ddp" if args.straggler else ",".join(SYSTEMS))).split(",")
     if unknown := [x for x in systems if x not in SYSTEMS]:
         p.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
-    if args.workers < 2 or args.shards < 1 or args.steps < 1 or args.warmup < 1 or args.rate_mbit <= 0:
-        p.error("needs --workers >= 2, --shards >= 1, --steps >= 1, --warmup >= 1, --rate-mbit > 0")
+    if (args.workers < 2 or args.shards < 1 or args.steps < 1 or args.warmup < 1 or args.rate_mbit <= 0
+            or args.push_credit_bytes < 0):
+        p.error("needs --workers >= 2, --shards >= 1, --steps >= 1, --warmup >= 1, --rate-mbit > 0, "
+                "--push-credit-bytes >= 0")
     if (reason := probe()) is not None:
         print(f"cluster.py cannot emulate hosts here: {reason}", file=sys.stderr)
         return EXIT_NO_NAMESPACES
@@ -324,10 +342,14 @@ def main() -> int:
           f"worker per step, {args.warmup} + {args.steps} steps", flush=True)
     cleanup = Cleanup()
     rows: dict[str, dict] = {}
+    congestion = None
     try:
         with tempfile.TemporaryDirectory(prefix="shardps-cluster-") as log_dir:
-            cleanup.network = net = Network(hosts, rates, args.delay_ms)
+            cleanup.network = net = Network(hosts, rates, args.delay_ms, host_qdisc=args.host_qdisc,
+                                            congestion=args.tcp_cc)
             net.create()
+            congestion = net.congestion_in_use
+            print(f"TCP congestion control of the hosts: {congestion}", flush=True)
             env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
             workers = []
@@ -354,12 +376,13 @@ def main() -> int:
                 w.send({"cmd": "exit"})
     finally:
         cleanup()
-    report(rows, args, rates)
+    report(rows, args, rates, congestion)
     return 0
 
 
-def report(rows: dict[str, dict], args, rates: dict[str, float]) -> None:
-    """Print the table and the warnings; write the JSON (``--json``)."""
+def report(rows: dict[str, dict], args, rates: dict[str, float], congestion: str | None) -> None:
+    """Print the table and the warnings; write the JSON (``--json``; ``congestion``: the hosts' TCP congestion
+    control)."""
     ring = link_bound("ddp", args.workers, args.shards, {h: r / 8 for h, r in rates.items()})["samples_per_s"]
     ddp = rows.get("ddp", {}).get("samples_per_s")
     mb = 1e6
@@ -389,10 +412,13 @@ def report(rows: dict[str, dict], args, rates: dict[str, float]) -> None:
     if bad:
         print(f"WARNING: rows without a positive samples/s or a finite loss: {bad}")
     out = {"workers": args.workers, "shards": args.shards, "rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms,
+           "host_qdisc": args.host_qdisc, "tcp_congestion_control": congestion,
            "straggler": f"w{args.workers - 1}" if args.straggler else None,
            "rates_mbit": {h: r / 1e6 for h, r in rates.items()}, "steps": args.steps, "warmup": args.warmup,
            "per_worker_batch": PER_WORKER, "params": PARAMS, "model_bytes_fp32": 4 * PARAMS,
-           "chunk_bytes": args.chunk_bytes, "ring_bound_samples_per_s": ring, "rows": rows}
+           "chunk_bytes": args.chunk_bytes, "push_credit_bytes": args.push_credit_bytes,
+           "ring_bound_samples_per_s": ring,
+           "rows": rows}
     emit(out, args.json)
 
 

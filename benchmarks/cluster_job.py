@@ -95,6 +95,7 @@ def build(task: dict, rank: int, world: int):
             max_grad_norm=CLIP if system == "sync_clip" else None,
             consistency=ConsistencyOptions(mode="async" if system == "async" else "sync"),
             wire=WireOptions(push_dtype=dtype, pull_dtype=dtype, chunk_bytes=task["chunk_bytes"],
+                             push_credit_bytes=task.get("push_credit_bytes", 0),
                              rpc_timeout=600.0, connect_timeout=60.0, streamed=system in STREAMED))
         return model, model, opt
     from torch.nn.parallel import DistributedDataParallel

@@ -19,6 +19,13 @@ added to the root namespace.
 Bytes per link are read from the switch ends' counters (``ip -s -j link``
 in the switch namespace): ``rx_bytes`` of ``p<i>`` is what host ``i`` sent,
 ``tx_bytes`` what it received, Ethernet, IP and TCP headers included.
+
+TCP's congestion control is a host's setting: every host namespace runs
+the one a new namespace gets from this kernel (usually the root
+namespace's, e.g. ``bbr`` or ``cubic``) unless ``congestion`` names another
+(``net.ipv4.tcp_congestion_control`` set in each host namespace; one not in
+the root namespace's ``net.ipv4.tcp_allowed_congestion_control`` is refused
+by the kernel there).
 """
 
 from __future__ import annotations
@@ -66,6 +73,15 @@ def probe() -> str | None:
     return None
 
 
+def available_congestion_controls() -> list[str]:
+    """The TCP congestion controls this kernel has loaded (``net.ipv4.tcp_available_congestion_control``)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
 def burst_bytes(rate_bit: float) -> int:
     """The bucket of a link at ``rate_bit`` bits/s: ~2 ms of its bytes, at least 32 KiB."""
     return max(32 << 10, int(rate_bit / 8 * 0.002))
@@ -88,15 +104,24 @@ class Network:
             per peer with an even guaranteed share and the whole rate as ceiling, classified by destination
             address; what ``fq``/``fq_codel`` do per flow on a real host, which this machine's kernel lacks).
             The switch ends stay FIFO, as a switch port is.
+        congestion: the TCP congestion control of every host (``reno``, ``cubic``, ``bbr``: one of
+            :func:`available_congestion_controls`); None: what a new namespace gets. :attr:`congestion_in_use`
+            says which one ran, after :meth:`create`.
 
     Raises:
-        ValueError: more than 250 hosts, or an unknown ``host_qdisc``.
+        ValueError: more than 250 hosts, an unknown ``host_qdisc``, or a ``congestion`` this kernel lacks
+            (the message lists the ones it has).
     """
 
     def __init__(self, hosts: list[str], rates_bit: dict[str, float], delay_ms: float = 0.0,
-                 host_qdisc: str = "fifo") -> None:
+                 host_qdisc: str = "fifo", congestion: str | None = None) -> None:
         if len(hosts) > 250:
             raise ValueError("at most 250 hosts")
+        if congestion is not None and congestion not in (have := available_congestion_controls()):
+            raise ValueError(f"TCP congestion control {congestion!r} is not loaded in this kernel; it has {have} "
+                             "(net.ipv4.tcp_available_congestion_control)")
+        self.congestion = congestion
+        self.congestion_in_use: str | None = None
         self.tag = f"sps{os.getpid()}"
         self.switch = f"{self.tag}sw"
         self.hosts = hosts
@@ -130,6 +155,7 @@ class Network:
             run("ip", "-n", self.switch, "link", "set", port, "up")
             run("ip", "-n", ns, "addr", "add", f"{self.address[host]}/16", "dev", "eth0")
             run("ip", "-n", ns, "link", "set", "eth0", "up")
+            self._set_congestion(ns)
             rate = self.rates_bit[host]
             if self.host_qdisc == "fair":
                 self._fair_egress(host, rate)
@@ -142,6 +168,17 @@ class Network:
             else:
                 run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(rate))
         return self
+
+    def _set_congestion(self, ns: str) -> None:
+        """Give namespace ``ns`` the congestion control asked for (if any) and record the one it runs."""
+        key = "net.ipv4.tcp_congestion_control"
+        if self.congestion is not None:
+            proc = run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self.congestion}", check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"cannot set {key}={self.congestion} in the host namespaces "
+                                   f"({proc.stderr.strip()}): add it to the root namespace's "
+                                   "net.ipv4.tcp_allowed_congestion_control, or pick an allowed one")
+        self.congestion_in_use = run("ip", "netns", "exec", ns, "sysctl", "-n", key).stdout.strip()
 
     def _fair_egress(self, host: str, rate: float) -> None:
         """``host``'s egress at ``rate`` bits/s, shared evenly among the hosts it sends to (HTB, one class each)."""

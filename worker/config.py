@@ -129,6 +129,16 @@ class WireOptions:
             ``backward()`` and ``step()`` makes ``step()`` raise ``ValueError``).
             Rounds that clip or scale are not streamed. The same on every worker
             of a job. False: push the whole round, then pull it.
+        push_credit_bytes: streamed rounds: a push stream sends its next gradient
+            chunk only while at most this many bytes of its chunks to that shard
+            are unanswered (counted in whole chunks of ``chunk_bytes`` in the push
+            wire type, at least one; 0, the default: no limit). A shard answers
+            a chunk once every worker pushed it, so a credit keeps each worker's
+            stream within that much of the slowest one's and leaves the link to
+            what the shards can use now (ByteScheduler's credit). Where links
+            bind it helps (docs/performance.md, Cluster in one box, measures
+            1 MiB). A stream that gets no answer for a second sends the rest of
+            its round without credit.
 
     Raises:
         ValueError: a chunk that does not fit in a message, an unknown wire type,
@@ -145,6 +155,7 @@ class WireOptions:
     retry_seconds: float = 60.0
     security: ChannelSecurity | None = None
     streamed: bool = True
+    push_credit_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.chunk_bytes) or self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes % MASTER_ITEMSIZE:
@@ -165,12 +176,23 @@ class WireOptions:
         for name in ("checksum", "streamed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.push_credit_bytes) or self.push_credit_bytes < 0:
+            raise ValueError(f"push_credit_bytes must be an int >= 0 (bytes; 0: no limit), got "
+                             f"{self.push_credit_bytes!r}")
         _positive_seconds("rpc_timeout", self.rpc_timeout)
         _positive_seconds("connect_timeout", self.connect_timeout)
         _positive_seconds("retry_seconds", self.retry_seconds, zero=True)
         if self.security is not None and not isinstance(self.security, ChannelSecurity):
             raise ValueError("security must be a shardps.common.security.ChannelSecurity (or None: plaintext), got "
                              f"{type(self.security).__name__}")
+
+
+def push_credit_chunks(wire: WireOptions, push_itemsize: int) -> int:
+    """``wire.push_credit_bytes`` as whole gradient chunks of ``wire.chunk_bytes`` (fp32 master bytes) sent in a
+    wire type of ``push_itemsize`` bytes per element: at least 1, or 0 when there is no credit."""
+    if not wire.push_credit_bytes:
+        return 0
+    return max(1, wire.push_credit_bytes // (wire.chunk_bytes // MASTER_ITEMSIZE * push_itemsize))
 
 
 @dataclass(frozen=True, kw_only=True)

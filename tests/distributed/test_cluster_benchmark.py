@@ -69,6 +69,7 @@ def test_cluster_benchmark(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["rate_mbit"] == 1000 and result["workers"] == 2 and result["shards"] == 1
+    assert result["host_qdisc"] == "fifo" and result["tcp_congestion_control"]  # the namespaces' own default
     assert "machine" in result
     model_bytes = result["model_bytes_fp32"]
     for system in SYSTEMS:
@@ -94,26 +95,31 @@ def test_cluster_benchmark(tmp_path: Path) -> None:
 EXCHANGE = REPO / "benchmarks" / "cluster_exchange.py"
 
 
-def test_an_unknown_host_queue_is_refused_before_anything_is_made() -> None:
+def test_an_unknown_host_queue_or_congestion_control_is_refused_before_anything_is_made() -> None:
     net = benchmark_module("cluster_net")
     before = net.list_namespaces()
     with pytest.raises(ValueError, match="host_qdisc must be one of"):
         net.Network(["w0", "s0"], {"w0": 1e8, "s0": 1e8}, host_qdisc="fq")
+    with pytest.raises(ValueError, match="'nosuchcc' is not loaded in this kernel"):
+        net.Network(["w0", "s0"], {"w0": 1e8, "s0": 1e8}, congestion="nosuchcc")
     assert net.list_namespaces() == before
 
 
 def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
     """benchmarks/cluster_exchange.py (raw gRPC over the same emulated links) runs at its smallest size, with
     each host's egress shared evenly among its peers (``--host-qdisc fair``; test_cluster_benchmark runs the
-    default one-FIFO links): both modes are in the JSON with a positive time and bound, the links held them
-    below it, and no namespace of the run is left."""
+    default one-FIFO links) and a gated run with a credit of 2 chunks, 2 rounds per run: every row is in the
+    JSON with a positive time and bound for the first round and the one after, the links held them below it,
+    the hosts ran the congestion control asked for (``--tcp-cc reno``, which every kernel allows), and no
+    namespace of the run is left."""
     _, probe = run(["--probe"], timeout=60)
     if probe.returncode == EXIT_NO_NAMESPACES:
         pytest.skip(probe.stderr.strip() or "network namespaces cannot be made here (no CAP_NET_ADMIN)")
     out = tmp_path / "exchange.json"
     proc = subprocess.Popen([sys.executable, str(EXCHANGE), "--workers", "2", "--shards", "1", "--rate-mbit", "1000",
-                             "--chunk-kib", "256", "--repeats", "1", "--host-qdisc", "fair", "--json", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+                             "--chunk-kib", "256", "--repeats", "1", "--host-qdisc", "fair", "--credit", "0,2",
+                             "--rounds", "2", "--tcp-cc", "reno", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -126,9 +132,11 @@ def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["shards"] == 1 and result["host_qdisc"] == "fair"
     assert "machine" in result
-    assert [r["mode"] for r in result["rows"]] == ["independent", "gated"]
+    assert [(r["mode"], r["credit"]) for r in result["rows"]] == [("independent", 0), ("gated", 0), ("gated", 2)]
+    assert result["rounds"] == 2 and result["tcp_congestion_control"] == "reno", result
     for row in result["rows"]:
         assert row["chunk_bytes"] == 256 << 10
         assert row["seconds"] > 0 and row["bound_seconds"] > 0
+        assert len(row["seconds_first_rounds"]) == 1 and len(row["seconds_rounds"]) == 1, row
         # nothing moves faster than its links allow (headers alone keep it below)
-        assert 0 < row["fraction_of_bound"] < 1.0, row
+        assert 0 < row["fraction_of_bound"] < 1.0 and 0 < row["fraction_of_bound_first_round"] < 1.0, row

@@ -18,20 +18,24 @@ from torch import nn
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import decode_frame, encode_chunk, encode_control, encode_round
 from shardps.worker.session.client import ShardClient
-from tests.integration.test_sync_oracle import train_sharded, train_single
+from tests.integration.test_sync_oracle import CHUNK_BYTES, train_sharded, train_single
 from tests.support.raw import RawWorker, plan_and_spec, snapshot
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_nesterov"])
-@pytest.mark.parametrize("num_shards, workers, overlap", [(1, 1, False), (2, 2, False), (3, 3, False),
-                                                          (2, 2, True)])
+@pytest.mark.parametrize("num_shards, workers, overlap, credit", [(1, 1, False, 0), (2, 2, False, 0),
+                                                                  (3, 3, False, 0), (2, 2, True, 0),
+                                                                  (2, 3, False, CHUNK_BYTES)])
 def test_streamed_rounds_match_unstreamed_bit_for_bit(start_cluster, name: str, num_shards: int, workers: int,
-                                                      overlap: bool) -> None:
+                                                      overlap: bool, credit: int) -> None:
+    """``credit``: ``WireOptions.push_credit_bytes`` of one chunk, so every push stream waits for its shard's
+    answers after each chunk."""
     expected = train_single(name)
     cluster = start_cluster(num_shards, min_workers=workers)
     plain = train_sharded(name, workers, cluster.addresses, overlap=overlap)
     cluster = start_cluster(num_shards, min_workers=workers)
-    streamed = train_sharded(name, workers, cluster.addresses, overlap=overlap, streamed=True)
+    streamed = train_sharded(name, workers, cluster.addresses, overlap=overlap, streamed=True,
+                             push_credit_bytes=credit)
     for a, b in zip(plain, streamed):
         for (key, want), got_plain, got in zip(expected.named_parameters(), a.parameters(), b.parameters()):
             assert torch.equal(got, got_plain), f"{key}: streamed and unstreamed rounds differ"

@@ -66,7 +66,7 @@ def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optim
 
 
 def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False,
-                  streamed: bool = False, device: str = "cpu") -> list[nn.Module]:
+                  streamed: bool = False, device: str = "cpu", push_credit_bytes: int = 0) -> list[nn.Module]:
     """The job on ``workers`` worker threads, each replica and its batches on ``device``."""
     x, y = data()
     x, y = x.to(device), y.to(device)
@@ -79,7 +79,7 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
         with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
                                   model=model if overlap else None,
                                   wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
-                                                   streamed=streamed)) as dist:
+                                                   streamed=streamed, push_credit_bytes=push_credit_bytes)) as dist:
             for step in range(STEPS):
                 dist.zero_grad()
                 part = slice(i * per, (i + 1) * per)

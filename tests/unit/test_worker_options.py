@@ -94,6 +94,9 @@ def test_wire_defaults() -> None:
     ({"retry_seconds": -0.5}, "retry_seconds is in seconds and must be a finite number >= 0"),
     ({"retry_seconds": "60"}, "retry_seconds"),
     ({"security": "tls"}, "security must be a shardps.common.security.ChannelSecurity"),
+    ({"push_credit_bytes": -1}, "push_credit_bytes must be an int >= 0"),
+    ({"push_credit_bytes": 1.5}, "push_credit_bytes must be an int >= 0"),
+    ({"push_credit_bytes": True}, "push_credit_bytes must be an int >= 0"),
 ])
 def test_wire_checks(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -142,7 +145,7 @@ def test_distributed_optimizer_signature() -> None:
 def test_every_moved_keyword_is_a_field_of_its_group() -> None:
     groups = {"consistency": ConsistencyOptions, "wire": WireOptions, "observability": ObservabilityOptions}
     fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in groups.items()}
-    added_since = {"on_wait"}  # fields that were never flat keywords
+    added_since = {"on_wait", "push_credit_bytes"}  # fields that were never flat keywords
     assert {name for group in fields.values() for name in group} == set(MOVED_KEYWORDS) | added_since
     for name, group in MOVED_KEYWORDS.items():
         assert name in fields[group], (name, group)

@@ -25,6 +25,7 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.optim import current_lrs
+from shardps.worker.config import push_credit_chunks
 from shardps.worker.pipeline.commit import decide
 from shardps.worker.pipeline.device import mark_ready
 from shardps.worker.session.recovery import divergence
@@ -64,6 +65,7 @@ class RoundSteps:
                 rnd.after = dict(zip(order[1:], order[:-1]))
             if self._streamed and decide is None:  # the shards apply each chunk as it completes (streamed.py)
                 rnd.options = pb.RoundTrailer(lrs=self._round_lrs(), group_hyperparams_json=self._hyperparams.changed())
+                rnd.credit = push_credit_chunks(self._wire, self._push_dtype.itemsize)
             for shard, client in enumerate(self._clients):
                 header = self._header(self.versions[shard])
                 if rnd.options is not None:

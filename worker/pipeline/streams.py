@@ -33,6 +33,9 @@ from shardps.worker.session.client import ShardClient
 
 #: How often a staggered push stream looks whether its round failed while it waits for its turn, seconds.
 TURN_POLL_SECONDS = 0.05
+#: A push stream that waited this long for its shard's next answer sends the rest of its round without credit
+#: (``WireOptions.push_credit_bytes``), seconds.
+CREDIT_STALL_SECONDS = 1.0
 
 
 def staggered_order(member_number: int, num_shards: int) -> list[int]:
@@ -92,6 +95,14 @@ class Round:
         self.after: dict[int, int] = {}
         #: streamed rounds (``WireOptions.streamed``): the learning rates and hyperparameters sent in the header
         self.options: pb.RoundTrailer | None = None
+        #: streamed rounds: gradient chunks a push stream may have unanswered (``WireOptions.push_credit_bytes``;
+        #: 0: no limit); ``answered[shard]``: the round's chunks received from each shard so far; ``uncredited``:
+        #: shards whose push stream stopped waiting for credit
+        self.credit = 0
+        self.answered = [0] * num_shards
+        self.answered_at = [0.0] * num_shards
+        self.uncredited: set[int] = set()
+        self.answers = [threading.Condition() for _ in range(num_shards)]
         # for the worker's metrics: when step() closed the pushes, when each shard's push ended, bytes each way
         self.closed_at = 0.0
         self.sent_at = [0.0] * num_shards
@@ -130,6 +141,38 @@ class Round:
             if (self.failed() is not None or (previous < len(calls) and calls[previous].done())
                     or time.monotonic() > deadline):
                 return
+
+    def answer_arrived(self, shard: int, rewind: bool = False) -> None:
+        """A chunk of this round came back from ``shard`` (``rewind``: the shard started the round over: its
+        push stream sends the rest without credit)."""
+        with self.answers[shard]:
+            self.answered[shard] += 1
+            self.answered_at[shard] = time.monotonic()
+            if rewind:
+                self.uncredited.add(shard)
+            self.answers[shard].notify()
+
+    def wait_credit(self, shard: int, sent: int) -> None:
+        """Block ``shard``'s push stream, before it sends its gradient chunk number ``sent`` (0-based), while
+        more than ``credit`` of its chunks are unanswered.
+
+        A streamed round's shard answers a chunk once every member pushed it, so no worker's stream runs more
+        than ``credit`` chunks ahead of the slowest member's at that shard, and the link carries what the shard
+        can use now (credit-based scheduling: Peng et al., "A Generic Communication Scheduler for Distributed
+        DNN Training Acceleration", SOSP 2019; docs/performance.md measures it). The stream stops waiting for
+        good (the rest of its round goes without credit) once no answer came for
+        :data:`CREDIT_STALL_SECONDS` (workers that push their chunks in different orders would otherwise wait
+        on each other), and stops waiting when the round failed or the shard's call ended.
+        """
+        since = time.monotonic()
+        with self.answers[shard]:
+            while sent - self.answered[shard] > self.credit and shard not in self.uncredited:
+                self.answers[shard].wait(TURN_POLL_SECONDS)  # blocking wait for the shard's next answer
+                calls = self.calls
+                if self.failed() is not None or (shard < len(calls) and calls[shard].done()):
+                    return
+                if time.monotonic() - max(since, self.answered_at[shard]) > CREDIT_STALL_SECONDS:
+                    self.uncredited.add(shard)
 
     def failed(self) -> BaseException | None:
         for f in self.futures:
@@ -183,10 +226,12 @@ def push_requests(
     ``("grad", chunk, values[, ready])`` (sent in ``push_dtype``; ``ready``: the
     CUDA event of :func:`~shardps.worker.pipeline.device.mark_ready`), ``("buffer", chunk,
     values)`` (sent in their own dtype) and ``("trailer", RoundTrailer)``,
-    until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``.
+    until ``None``; then, if the round needs one, the commit. ``q`` is ``rnd.queues[shard]``. In a streamed
+    round with ``rnd.credit``, each gradient chunk waits for its credit first (:meth:`Round.wait_credit`).
     """
     q = rnd.queues[shard]
     to_host = HostCopies()
+    sent = 0  # gradient chunks sent
     frame = encode_round(header)
     rnd.pushed_bytes[shard] = len(frame)
     yield frame
@@ -203,6 +248,9 @@ def push_requests(
             continue
         chunk, values = item[1], item[2]
         if kind == "grad":  # CUDA: narrowed on the device and copied on a side stream, off the hook (device.py)
+            if rnd.credit:
+                rnd.wait_credit(shard, sent)
+            sent += 1
             values = to_host(values, push_dtype, item[3] if len(item) > 3 else None)
         frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
         rnd.pushed_bytes[shard] += len(frame)
@@ -272,6 +320,7 @@ class ParameterSink:
                         # so far is void, every chunk comes again
                         held.clear()
                         version, count = None, 0
+                        rnd.answer_arrived(shard, rewind=True)
                         continue
                     if frame.report is not None and rnd is not None and rnd.decide is not None and count == 0:
                         rnd.report_arrived(shard, frame.report)
@@ -293,6 +342,7 @@ class ParameterSink:
                             check_payload(h, frame.payload)
                             payload = frame.payload
                         held.append((h, payload, target, c))
+                        rnd.answer_arrived(shard)
                         continue
                     copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     if rnd is not None:
