@@ -2,7 +2,7 @@
 
 256 lightweight asyncio gRPC clients (one joined member each) run sync
 rounds on a tiny model against one real shard process while a monitor
-thread checks that Stats and the gRPC health check each answer within 1 s
+process checks that Stats and the gRPC health check each answer within 1 s
 the whole time. Then 500 Pulls park on a future version and are cancelled
 by their clients; the shard must free them at once. Sizes are configurable:
 ``SHARDPS_TEST_CLIENTS``, ``SHARDPS_TEST_ROUNDS``, ``SHARDPS_TEST_PULLS``.
@@ -11,8 +11,8 @@ by their clients; the shard must free them at once. Sizes are configurable:
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
-import threading
 import time
 import uuid
 
@@ -34,28 +34,49 @@ NUMEL = 16
 PATH = "/shardps.v1.Shard/"
 
 
-class Monitor(threading.Thread):
-    """Calls health and Stats every 100 ms with a 1 s deadline; records failures and the slowest answer."""
+def _monitor(address: str, stop, out) -> None:
+    """Call health and Stats every 100 ms with a 1 s deadline until ``stop``; put ``(failures, slowest, checks)``."""
+    client = ShardClient(address, index=0, rpc_timeout=1.0)
+    failures, slowest, checks = [], 0.0, 0
+    try:
+        while not stop.wait(0.1):
+            for name, call in (("health", lambda: health_status(address, timeout=1.0)), ("stats", client.stats)):
+                started = time.monotonic()
+                try:
+                    call()
+                except Exception as exc:  # a deadline or an error: the shard did not answer in 1 s
+                    failures.append(f"{name}: {exc}")
+                slowest = max(slowest, time.monotonic() - started)
+                checks += 1
+    finally:
+        client.close()
+        out.put((failures, slowest, checks))
+
+
+class Monitor:
+    """Health and Stats checks every 100 ms with a 1 s deadline, from a process of its own (this one's 256
+    asyncio clients would otherwise hold its GIL while a check waits): ``failures``, the ``slowest`` answer
+    (seconds, wall time around the call) and the number of ``checks``, read after :meth:`join`."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(daemon=True)
-        self.address, self.stop, self.failures, self.slowest, self.checks = address, threading.Event(), [], 0.0, 0
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
+        self.stop, self._out = ctx.Event(), ctx.Queue()
+        self._process = ctx.Process(target=_monitor, args=(address, self.stop, self._out), daemon=True)
+        self.failures: list[str] = []
+        self.slowest, self.checks = 0.0, 0
 
-    def run(self) -> None:
-        client = ShardClient(self.address, index=0, rpc_timeout=1.0)
+    def start(self) -> None:
+        self._process.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the checks' figures (after ``stop`` is set); kill it if late."""
         try:
-            while not self.stop.wait(0.1):
-                for name, call in (("health", lambda: health_status(self.address, timeout=1.0)),
-                                   ("stats", client.stats)):
-                    started = time.monotonic()
-                    try:
-                        call()
-                    except Exception as exc:  # a deadline or an error: the shard did not answer in 1 s
-                        self.failures.append(f"{name}: {exc}")
-                    self.slowest = max(self.slowest, time.monotonic() - started)
-                    self.checks += 1
+            self.failures, self.slowest, self.checks = self._out.get(timeout=timeout)
         finally:
-            client.close()
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
 
 
 def plan_and_spec() -> tuple[PartitionPlan, pb.OptimizerSpec]:
