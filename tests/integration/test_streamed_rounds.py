@@ -9,6 +9,7 @@ the workers' models keep the previous version.
 from __future__ import annotations
 
 import queue
+import time
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import decode_frame, encode_chunk, encode_control, encode_round
+from shardps.worker.pipeline import streams
 from shardps.worker.session.client import ShardClient
 from tests.integration.test_sync_oracle import CHUNK_BYTES, train_sharded, train_single
 from tests.support.raw import RawWorker, plan_and_spec, snapshot
@@ -40,6 +42,23 @@ def test_streamed_rounds_match_unstreamed_bit_for_bit(start_cluster, name: str, 
         for (key, want), got_plain, got in zip(expected.named_parameters(), a.parameters(), b.parameters()):
             assert torch.equal(got, got_plain), f"{key}: streamed and unstreamed rounds differ"
             assert (want - got).abs().max().item() < 1e-5, key
+
+
+def test_workers_pushing_in_different_orders_do_not_wait_on_each_others_credit(start_cluster, monkeypatch) -> None:
+    """With a credit of one chunk, a worker pushing from backward's hooks (last layer first) and one pushing at
+    ``step()`` (first layer first) each wait for answers that need the other's unsent chunks: each stream stops
+    waiting once its shard was silent for ``CREDIT_STALL_SECONDS`` and the rounds complete, bit for bit."""
+    monkeypatch.setattr(streams, "CREDIT_STALL_SECONDS", 0.3)
+    cluster = start_cluster(1, min_workers=2)
+    plain = train_sharded("adamw", 2, cluster.addresses)
+    cluster = start_cluster(1, min_workers=2)
+    started = time.monotonic()
+    credited = train_sharded("adamw", 2, cluster.addresses, streamed=True, push_credit_bytes=CHUNK_BYTES,
+                             pushed_at_step=frozenset({1}))
+    assert time.monotonic() - started < 45, "the rounds waited on each other's credit"
+    for a, b in zip(plain, credited):
+        for got_plain, got in zip(a.parameters(), b.parameters()):
+            assert torch.equal(got, got_plain)
 
 
 # ---------------------------------------------------------------- all or nothing, by hand

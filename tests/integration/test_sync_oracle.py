@@ -66,8 +66,10 @@ def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optim
 
 
 def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False,
-                  streamed: bool = False, device: str = "cpu", push_credit_bytes: int = 0) -> list[nn.Module]:
-    """The job on ``workers`` worker threads, each replica and its batches on ``device``."""
+                  streamed: bool = False, device: str = "cpu", push_credit_bytes: int = 0,
+                  pushed_at_step: frozenset[int] = frozenset()) -> list[nn.Module]:
+    """The job on ``workers`` worker threads, each replica and its batches on ``device``; the workers in
+    ``pushed_at_step`` push their gradients at ``step()``, in key order (the others from backward's hooks)."""
     x, y = data()
     x, y = x.to(device), y.to(device)
     per = BATCH // workers
@@ -77,7 +79,7 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
         model = models[i]
         opt, sched = make_optimizer(name, model)
         with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
-                                  model=model if overlap else None,
+                                  model=model if overlap else None, push_during_backward=i not in pushed_at_step,
                                   wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
                                                    streamed=streamed, push_credit_bytes=push_credit_bytes)) as dist:
             for step in range(STEPS):

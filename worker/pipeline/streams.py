@@ -320,7 +320,8 @@ class ParameterSink:
                         # so far is void, every chunk comes again
                         held.clear()
                         version, count = None, 0
-                        rnd.answer_arrived(shard, rewind=True)
+                        if rnd.credit:
+                            rnd.answer_arrived(shard, rewind=True)
                         continue
                     if frame.report is not None and rnd is not None and rnd.decide is not None and count == 0:
                         rnd.report_arrived(shard, frame.report)
@@ -342,7 +343,8 @@ class ParameterSink:
                             check_payload(h, frame.payload)
                             payload = frame.payload
                         held.append((h, payload, target, c))
-                        rnd.answer_arrived(shard)
+                        if rnd.credit:  # (a lock and a wake-up per chunk: only where a push stream waits on it)
+                            rnd.answer_arrived(shard)
                         continue
                     copy_payload(h, frame.payload, target.view(-1)[c.offset : c.offset + c.numel])
                     if rnd is not None:
