@@ -1,8 +1,8 @@
 """Cluster in one box: shardps vs DDP when every host sits behind a rate-limited link.
 
-    python benchmarks/cluster.py [--workers 4] [--shards 4] [--rate-mbit 100] [--delay-ms 0] [--steps 6]
+    python benchmarks/cluster.py [--workers 4] [--shards 4] [--rate-mbit 50] [--delay-ms 0] [--steps 6]
                                  [--systems sync,sync_bf16,sync_plain,sync_clip,async,ddp,ddp_fp16]
-                                 [--straggler] [--chunk-bytes 262144] [--push-credit-bytes 1048576]
+                                 [--straggler] [--chunk-bytes 65536] [--push-credit-bytes 262144]
                                  [--host-qdisc fifo|fair] [--tcp-cc reno|cubic|bbr] [--json PATH]
 
 N worker hosts and S shard hosts are emulated with Linux network
@@ -19,8 +19,8 @@ per step with fused AdamW (lr 1e-3), one torch thread, as:
   (``WireOptions(streamed=True)``: each chunk applied and sent back as soon
   as every worker pushed it, so every link sends and receives at once),
   with ``--push-credit-bytes`` of credit (``WireOptions.push_credit_bytes``,
-  default 1 MiB here: a worker's stream to a shard keeps at most that much
-  unanswered);
+  default 256 KiB here, 4 chunks: a worker's stream to a shard keeps at
+  most that much unanswered);
 - ``sync_bf16``: the same with bf16 gradients and parameters on the wire;
 - ``sync_plain``: sync rounds unstreamed (the whole push, then the whole pull);
 - ``sync_clip``: sync with ``max_grad_norm=1.0``, which needs every shard's
@@ -294,7 +294,9 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4, help="worker hosts (>= 2)")
     p.add_argument("--shards", type=int, default=4, help="shard hosts (>= 1)")
-    p.add_argument("--rate-mbit", type=float, default=100.0, help="each host's link, Mbit/s, each direction")
+    p.add_argument("--rate-mbit", type=float, default=50.0,
+                   help="each host's link, Mbit/s, each direction (default 50: at 4 x 4 on 2 cores the shardps rows "
+                        "keep the CPUs 70-85%% busy; at 100 they bind)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of each link, ms (needs netem)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per worker host")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the shards' Init is in the first)")
@@ -304,14 +306,15 @@ def main() -> int:
     p.add_argument("--tcp-cc", help="the hosts' TCP congestion control (reno, cubic, bbr; default: what a new "
                    "namespace gets, the root namespace's)")
     p.add_argument("--straggler", action="store_true", help="the last worker host's link at half the rate")
-    p.add_argument("--chunk-bytes", type=int, default=256 << 10,
-                   help="shardps chunk size, bytes (default 256 KiB: a shard sends a chunk of a streamed round back "
-                        "once every worker pushed it, so smaller chunks keep the links busier; at 4 x 4 and 100 "
-                        "Mbit/s sync ran 0.66 of its link bound with WireOptions' default 1 MiB, 0.70 with 256 KiB)")
-    p.add_argument("--push-credit-bytes", type=int, default=1 << 20,
+    p.add_argument("--chunk-bytes", type=int, default=64 << 10,
+                   help="shardps chunk size, bytes (default 64 KiB: a shard sends a chunk of a streamed round back "
+                        "once every worker pushed it, so smaller chunks keep the links busier; at 4 x 4 and 50 "
+                        "Mbit/s sync ran 0.75 of its link bound with 256 KiB, 0.82 with 128 KiB, 0.86-0.87 with "
+                        "64 KiB, 0.81 with 32 KiB, where the CPUs bind)")
+    p.add_argument("--push-credit-bytes", type=int, default=256 << 10,
                    help="streamed rounds: WireOptions(push_credit_bytes=...), bytes of chunks a worker's stream to a "
-                        "shard may have unanswered (default 1 MiB: 4 x 4 hosts at 100 Mbit/s ran sync 6%% faster "
-                        "than without; 0: no limit)")
+                        "shard may have unanswered (default 256 KiB, 4 chunks of 64 KiB: at 4 x 4 and 50 Mbit/s "
+                        "sync ran 0.87 of its link bound, 0.86 with 2 or 8 chunks, 0.67 without credit; 0: no limit)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take beyond 3x its link bound")
     p.add_argument("--lease-seconds", type=float, default=120.0,
                    help="shards' worker lease, s (default 120: a heartbeat waits behind megabytes on a slow link)")
