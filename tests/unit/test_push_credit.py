@@ -66,8 +66,8 @@ def test_a_stream_without_an_answer_for_a_while_sends_the_rest_of_its_round_with
     rnd.wait_credit(0, 5)  # nothing ever answers (members pushing in different orders): it stops waiting
     assert 0.3 <= time.monotonic() - started < 5 and rnd.uncredited == {0}
     started = time.monotonic()
-    rnd.wait_credit(0, 50)  # and does not wait again in this round (another stall would take 0.3 s)
-    assert time.monotonic() - started < 0.25
+    rnd.wait_credit(0, 50)  # and does not wait again in this round
+    assert time.monotonic() - started < 0.1
     t = _waiter(rnd, 1, 5)  # the other shard's stream still has its credit
     time.sleep(0.1)
     assert t.is_alive()
