@@ -66,7 +66,7 @@ class Probe:
 
 
 READINESS, LIVENESS = Probe.from_manifest("readinessProbe"), Probe.from_manifest("livenessProbe")
-FREED_WITHIN = 5.0  # s after the cancels: "at once", against the pulls' 300 s deadline
+FREED_WITHIN = 1.0  # s after the cancels: "at once", against the pulls' 300 s deadline
 
 
 def _monitor(address: str, deadline: float, stop, out) -> None:
