@@ -12,7 +12,6 @@ rendezvous address and the job's scale (one worker node), plus ``--epochs``.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import select
@@ -32,9 +31,9 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 from shardps.cli import server as server_cli
 from shardps.cli import main as worker_cli
+from tests.support.manifests import K8S, load_kustomization, objects, the_container
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = kubernetes_validate.latest_version()  # the newest schemas the package holds
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
@@ -47,63 +46,9 @@ _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 # --- reading the manifests -------------------------------------------------------------------------------------------
 
-def _json_patch(doc: dict, op: dict) -> None:
-    """Apply one RFC 6902 ``add``/``replace`` operation to ``doc`` in place (what these overlays use)."""
-    assert op["op"] in ("add", "replace"), f"JSON patch op {op['op']!r}: teach tests/deploy/test_manifests.py"
-    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-    node = doc
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    value = copy.deepcopy(op["value"])
-    if isinstance(node, list) and last == "-":
-        node.append(value)
-    elif isinstance(node, list):
-        node.insert(int(last), value) if op["op"] == "add" else node.__setitem__(int(last), value)
-    else:
-        node[last] = value
-
-
-def load_kustomization(directory: Path) -> list[dict]:
-    """The objects ``kubectl kustomize DIRECTORY`` builds, for the features these kustomizations use.
-
-    Resources (files and directories) in order, and patch files of JSON
-    patches aimed at one kind/name; ``images`` only renames the image.
-
-    Raises:
-        AssertionError: a feature this reader does not know, or a patch target
-            that is not exactly one object.
-    """
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(k) - {"apiVersion", "kind", "resources", "patches", "images"}
-    assert not unknown, f"{directory}/kustomization.yaml uses {sorted(unknown)}: teach load_kustomization"
-    docs: list[dict] = []
-    for resource in k.get("resources", []):
-        path = directory / resource
-        docs += load_kustomization(path) if path.is_dir() else [
-            d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    for patch in k.get("patches", []):
-        target = patch["target"]
-        hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
-        assert len(hits) == 1, f"{directory}: patch {patch['path']} targets {len(hits)} objects, not one"
-        for op in yaml.safe_load((directory / patch["path"]).read_text()):
-            _json_patch(hits[0], op)
-    return docs
-
-
-def objects(directory: Path) -> dict[tuple[str, str], dict]:
-    """``load_kustomization`` keyed by ``(kind, name)``."""
-    return {(d["kind"], d["metadata"]["name"]): d for d in load_kustomization(directory)}
-
-
 @pytest.fixture(scope="module")
 def base() -> dict[tuple[str, str], dict]:
     return objects(K8S / "base")
-
-
-def _the_container(workload: dict) -> dict:
-    containers = workload["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1, f"{workload['metadata']['name']}: expected one container"
-    return containers[0]
 
 
 def _configmaps(docs: dict) -> dict[str, dict[str, str]]:
@@ -171,7 +116,7 @@ def command_line(container: dict, env: dict[str, str]) -> list[str]:
 
 def shard_config(docs: dict, index: int):
     """The ``ShardConfig`` the real ``shardps-server`` parser makes of pod ``index``'s command line."""
-    container = _the_container(docs["StatefulSet", "shardps-shard"])
+    container = the_container(docs["StatefulSet", "shardps-shard"])
     argv = command_line(container, container_env(container, _configmaps(docs), {POD_INDEX_FIELD: str(index)}))
     assert argv[0] == "shardps-server"
     try:
@@ -182,7 +127,7 @@ def shard_config(docs: dict, index: int):
 
 def worker_command(docs: dict, namespace: str = "default"):
     """``(argv, torchrun's parsed args, shardps' parsed args)`` of the worker Job's container."""
-    container = _the_container(docs["Job", "shardps-worker"])
+    container = the_container(docs["Job", "shardps-worker"])
     argv = command_line(container, container_env(container, _configmaps(docs), {"metadata.namespace": namespace}))
     assert argv[0] == "torchrun"
     launcher = torchrun_parser().parse_args(argv[1:])
@@ -231,7 +176,7 @@ def test_shard_statefulset_matches_its_service_config_and_probes(base):
     addresses = cm["SHARDPS_SERVERS"].split(",")
     assert spec["replicas"] == len(addresses) == int(cm["SHARDPS_NUM_SHARDS"]), \
         "replicas, SHARDPS_NUM_SHARDS and the addresses in SHARDPS_SERVERS must agree"
-    container = _the_container(sts)
+    container = the_container(sts)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == SHARD_PORTS
     assert addresses == [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{ports['grpc']}"
@@ -276,7 +221,7 @@ def test_worker_job_is_elastic_torchrun_against_the_shards(base):
     low, high = int(cm["SHARDPS_MIN_WORKERS"]), int(cm["SHARDPS_MAX_WORKERS"])
     assert spec["completionMode"] == "Indexed"
     assert low <= spec["parallelism"] == spec["completions"] <= high
-    container = _the_container(job)
+    container = the_container(job)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
     _, launcher, args = worker_command(base, namespace="ns")
@@ -302,7 +247,7 @@ def test_pods_are_non_root_bounded_and_match_the_image(base):
         context = pod["securityContext"]
         assert context["runAsNonRoot"] is True
         assert (context["runAsUser"], context["runAsGroup"]) == (int(user.group(1)), int(user.group(2)))
-        container = _the_container(base[key])
+        container = the_container(base[key])
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(container["resources"][kind]), f"{key}: {kind} for cpu and memory"
@@ -315,7 +260,7 @@ def test_tls_overlay_mounts_every_file_its_flags_name(tmp_path):
     files = {}
     for key in (("StatefulSet", "shardps-shard"), ("Job", "shardps-worker")):
         pod = docs[key]["spec"]["template"]["spec"]
-        container = _the_container(docs[key])
+        container = the_container(docs[key])
         secrets = {v["name"] for v in pod["volumes"] if "secret" in v}
         mounts = [m for m in container["volumeMounts"] if m["name"] in secrets]
         assert mounts and all(m.get("readOnly") for m in mounts), f"{key}: mount the Secret read-only"
@@ -324,7 +269,7 @@ def test_tls_overlay_mounts_every_file_its_flags_name(tmp_path):
         for flag, path in given.items():
             assert any(path.startswith(m["mountPath"] + "/") for m in mounts), f"{key}: {flag} {path} is not mounted"
         files[key[0]] = given
-    sts = _the_container(docs["StatefulSet", "shardps-shard"])
+    sts = the_container(docs["StatefulSet", "shardps-shard"])
     assert sts["readinessProbe"]["grpc"]["port"] == SHARD_PORTS["health"], "probes stay on the plaintext port"
 
     # Both programs accept the flags. The shard's parser opens the files: point the mount at placeholders.
@@ -379,7 +324,7 @@ def test_manifest_commands_serve_train_and_stop_on_loopback(tmp_path, base):
     """Shard pods (exact command, env-expanded args) serve health and metrics, the worker Job's exact torchrun
     command trains one epoch against them, and SIGTERM stops every shard with exit 0 and a final checkpoint."""
     configmaps = _configmaps(base)
-    shard = _the_container(base["StatefulSet", "shardps-shard"])
+    shard = the_container(base["StatefulSet", "shardps-shard"])
     assert shutil.which(shard["command"][0]), f"{shard['command'][0]} is not on PATH: pip install -e ."
     shards: list[tuple[subprocess.Popen, Path, Path]] = []  # process, checkpoint volume, stderr log
     logs = []
@@ -408,7 +353,7 @@ def test_manifest_commands_serve_train_and_stop_on_loopback(tmp_path, base):
             with urllib.request.urlopen(f"http://{found['metrics']}/metrics", timeout=10) as page:
                 assert re.search(rf'^shardps_shard_version{{shard="{index}"}} ', page.read().decode(), re.M)
 
-        worker = _the_container(base["Job", "shardps-worker"])
+        worker = the_container(base["Job", "shardps-worker"])
         env = container_env(worker, configmaps, {"metadata.namespace": "default"}, {
             **ONE_WORKER, "SHARDPS_SERVERS": ",".join(addresses),
             "SHARDPS_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "SHARDPS_WORKER_METRICS_PORT": "0"})

@@ -3,7 +3,7 @@
 256 lightweight asyncio gRPC clients (one joined member each) run sync
 rounds on a tiny model against one real shard process while a monitor
 process calls Stats and the gRPC health check every 100 ms the whole time.
-The bounds are the shard manifest's own probes (``deploy/k8s/base/shards.yaml``):
+The bounds are the shard manifest's own probes (``deploy/k8s/base``, as built):
 every call answers within the liveness probe's timeout (5 s), and the
 readiness probe would never have failed: no span of ``failureThreshold x
 periodSeconds`` (2 x 5 s) holds ``failureThreshold`` answers slower than its
@@ -24,17 +24,16 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import torch
-import yaml
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import copy_payload, decode_frame, encode_chunk, encode_control, encode_round
 from shardps.common.optim import optimizer_spec
 from shardps.common.plan import KeyInfo, PartitionPlan
 from shardps.worker.session.client import ShardClient
+from tests.support.manifests import K8S, objects, the_container
 from tests.support.raw import SERVING, health_status
 
 CLIENTS = int(os.environ.get("SHARDPS_TEST_CLIENTS", 256))
@@ -43,9 +42,6 @@ PULLS = int(os.environ.get("SHARDPS_TEST_PULLS", 500))
 LR = 0.01
 NUMEL = 16
 PATH = "/shardps.v1.Shard/"
-
-
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base" / "shards.yaml"
 
 
 @dataclass(frozen=True)
@@ -58,9 +54,8 @@ class Probe:
 
     @classmethod
     def from_manifest(cls, name: str) -> "Probe":
-        (sts,) = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d and d["kind"] == "StatefulSet"]
-        (container,) = sts["spec"]["template"]["spec"]["containers"]
-        probe = container[name]
+        """Probe ``name`` (``readinessProbe``, ...) of the shard StatefulSet in ``deploy/k8s/base``, as built."""
+        probe = the_container(objects(K8S / "base")["StatefulSet", "shardps-shard"])[name]
         return cls(float(probe.get("timeoutSeconds", 1)), float(probe.get("periodSeconds", 10)),
                    int(probe.get("failureThreshold", 3)))
 
