@@ -8,7 +8,7 @@ every call answers within the liveness probe's timeout (5 s), and the
 readiness probe would never have failed: no span of ``failureThreshold x
 periodSeconds`` (2 x 5 s) holds ``failureThreshold`` answers slower than its
 ``timeoutSeconds`` (1 s). A blocked event loop or a thread held per waiting
-call fails both (two 1.5 s stops of the shard, 3 s apart, fail it: checked);
+call fails both (two 1.5 s stops of the shard, 3.5 s apart, fail it: checked);
 one answer at 1.04 s on a 2-core machine shared with another test process
 (seen once) is what a readiness probe forgives. Then 500 Pulls park on a
 future version and are cancelled by their clients; the shard must free them
