@@ -20,6 +20,7 @@ import sys
 import torch
 from grpc_health.v1 import health
 
+from shardps.common.memory import retain_freed_memory
 from shardps.common.security import warn_token_over_plaintext
 from shardps.common.version import shardps_version
 from shardps.server.config import ShardConfig
@@ -156,6 +157,7 @@ async def serve(config: ShardConfig, stop: asyncio.Event) -> None:
         RuntimeError: the address could not be bound.
     """
     torch.set_num_threads(config.threads)  # --threads: by default the cores this process may use
+    log.info("shard %d: malloc %s", config.shard_index, retain_freed_memory())  # chunk buffers reused, not refaulted
     if config.auth_token_file and not config.tls_cert:  # allowed over plaintext: loopback, or the operator said so
         warn_token_over_plaintext(config.host, f"shardps-server shard {config.shard_index}")
     store = ShardStore(config)

@@ -31,6 +31,7 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import FLOAT_DTYPES, wire_dtype
 from shardps.common.optim import optimizer_spec
+from shardps.common.memory import retain_freed_memory
 from shardps.common.addresses import parse_servers
 from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.worker import optimizer_state as optimizer_state
@@ -208,12 +209,11 @@ class DistributedOptimizer(RoundSteps, JobView):
             named_buffers = model.named_buffers()
         buffers, self._buffers = buffer_infos(named_buffers if broadcast_buffers and named_buffers is not None else ())
         self.plan = PartitionPlan.build(keys, num_shards=len(servers), chunk_bytes=wire.chunk_bytes, buffers=buffers)
-        self.worker_id = worker_id or default_worker_id()
-        self.session = uuid.uuid4().hex
-        self._push_dtype = FLOAT_DTYPES[wire_dtype(wire.push_dtype)]
-        self._pull_code = wire_dtype(wire.pull_dtype)
-        self._passes = backward_passes_per_step
-        self._checksum = wire.checksum
+        self.worker_id, self.session = worker_id or default_worker_id(), uuid.uuid4().hex
+        self._push_dtype, self._pull_code = FLOAT_DTYPES[wire_dtype(wire.push_dtype)], wire_dtype(wire.pull_dtype)
+        self._passes, self._checksum = backward_passes_per_step, wire.checksum
+        if wire.retain_freed_memory:  # chunk-sized buffers reused, not faulted in afresh each round
+            retain_freed_memory()
         self._streamed = wire.streamed and consistency.mode == "sync"
         named_map = dict(named)
         self._params = {k.key: named_map[k.key] for k in keys}

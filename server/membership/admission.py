@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Resident bytes a member's push and pull hold while they stream (gRPC's buffers within HTTP/2 flow control,
 #: and what the allocator keeps of them), at most: a member adds its staged gradient, the smaller of this
-#: and its gradient's bytes, and one chunk (measured: ``benchmarks/join_memory.py``; docs/performance.md).
+#: and half its gradient's bytes, and one chunk (measured: ``benchmarks/join_memory.py``; docs/performance.md;
+#: half since the shard reuses freed buffers, ``shardps.common.memory``: 6.4 MiB a member of 1 M elements).
 STREAM_BYTES = 20 << 20
 #: Resident bytes a job adds besides its arrays: its plan and chunk table, torch's kernels and
 #: allocations of a first update (measured as :data:`STREAM_BYTES`).
@@ -57,10 +58,10 @@ def resident_bytes() -> int:
 
 
 def member_bytes(elements: int, chunk_bytes: int) -> int:
-    """Resident bytes one member adds at a round's peak: ``4 E + min(4 E, STREAM_BYTES) + min(4 E, chunk_bytes)``,
+    """Resident bytes one member adds at a round's peak: ``4 E + min(2 E, STREAM_BYTES) + min(4 E, chunk_bytes)``,
     its staged gradient and its streams in flight (``E`` fp32 elements, chunks of ``chunk_bytes``)."""
     gradient = MASTER_ITEMSIZE * elements
-    return gradient + min(gradient, STREAM_BYTES) + min(gradient, chunk_bytes)
+    return gradient + min(gradient // 2, STREAM_BYTES) + min(gradient, chunk_bytes)
 
 
 def memory_estimate(baseline: int, elements: int, state_buffers: int, members: int, chunk_bytes: int) -> int:

@@ -73,6 +73,7 @@ def test_wire_defaults() -> None:
     assert WireOptions(retry_seconds=0).retry_seconds == 0  # no retries
     assert WireOptions(chunk_bytes=8 << 20, max_message_bytes=(8 << 20) + (64 << 10)).chunk_bytes == 8 << 20
     assert WireOptions(push_dtype="bf16", pull_dtype="fp16", security=ChannelSecurity(token="t0ken")).checksum is False
+    assert WireOptions().retain_freed_memory is True  # shardps.common.memory
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -87,6 +88,7 @@ def test_wire_defaults() -> None:
     ({"pull_dtype": "int8"}, "pull_dtype: wire dtype must be one of"),
     ({"pull_dtype": ["fp32"]}, "pull_dtype: "),
     ({"checksum": "yes"}, "checksum must be True or False"),
+    ({"retain_freed_memory": 1}, "retain_freed_memory must be True or False"),
     ({"rpc_timeout": 0}, "rpc_timeout is in seconds and must be a finite number > 0"),
     ({"rpc_timeout": math.inf}, "rpc_timeout is in seconds"),
     ({"connect_timeout": -1.0}, "connect_timeout is in seconds and must be a finite number > 0"),
@@ -145,7 +147,7 @@ def test_distributed_optimizer_signature() -> None:
 def test_every_moved_keyword_is_a_field_of_its_group() -> None:
     groups = {"consistency": ConsistencyOptions, "wire": WireOptions, "observability": ObservabilityOptions}
     fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in groups.items()}
-    added_since = {"on_wait", "push_credit_bytes"}  # fields that were never flat keywords
+    added_since = {"on_wait", "push_credit_bytes", "retain_freed_memory"}  # fields that were never flat keywords
     assert {name for group in fields.values() for name in group} == set(MOVED_KEYWORDS) | added_since
     for name, group in MOVED_KEYWORDS.items():
         assert name in fields[group], (name, group)

@@ -1,0 +1,61 @@
+"""A worker and one shard moving a 16 MiB model: minor page faults per round in each process, as JSON on stdout.
+
+    python -m tests.support.page_faults [--no-retain]
+
+``--no-retain``: the worker passes ``WireOptions(retain_freed_memory=False)``
+(the shard always retains). Prints ``{"pages": P, "worker": F, "shard": F}``:
+``P`` pages of 4 KiB the model fills once, ``F`` faults per round after
+three rounds of warm-up (a round moves the model twice: out and back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+
+import torch
+
+from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions
+
+MODEL_BYTES = 16 << 20
+ROUNDS = 5
+
+
+def process_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (``/proc/PID/stat`` field 10)."""
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--no-retain", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.randn(MODEL_BYTES // 8)) for _ in range(2)]
+    grads = [torch.ones_like(q) for q in params]  # made once: only the data plane allocates per round
+    with LocalCluster(1) as cluster:
+        dist = DistributedOptimizer(torch.optim.SGD(params, lr=1e-3), [(f"w{i}", q) for i, q in enumerate(params)],
+                                    servers=cluster.addresses,
+                                    wire=WireOptions(chunk_bytes=1 << 20, retain_freed_memory=not args.no_retain))
+        try:
+            def step() -> None:
+                for q, g in zip(params, grads):
+                    q.grad = g
+                dist.step()
+
+            for _ in range(3):
+                step()
+            shard = cluster.processes[0].pid
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, process_faults(shard)
+            for _ in range(ROUNDS):
+                step()
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, process_faults(shard)
+        finally:
+            dist.close()
+    worker, shard = ((b - a) / ROUNDS for a, b in zip(before, after))
+    print(json.dumps({"pages": MODEL_BYTES // 4096, "worker": worker, "shard": shard}))
+
+
+if __name__ == "__main__":
+    main()
