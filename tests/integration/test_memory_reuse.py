@@ -11,16 +11,16 @@ counters over 5 rounds of a 16 MiB model after 3 of warm-up
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
+from tests.support.page_faults import environment_without_malloc_settings
 from tests.support.procs import REPO
 
 
 def faults_per_round(*args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    out = subprocess.run([sys.executable, "-m", "tests.support.page_faults", *args], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-m", "tests.support.page_faults", *args], cwd=REPO,
+                         env=environment_without_malloc_settings(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 
 import torch
 
+from shardps.common.memory import GLIBC_ENV
 from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions
 
 MODEL_BYTES = 16 << 20
 ROUNDS = 5
+
+
+def environment_without_malloc_settings() -> dict[str, str]:
+    """This process's environment less the malloc variables that make ``retain_freed_memory`` stand aside."""
+    return {k: v for k, v in os.environ.items() if k not in GLIBC_ENV}
 
 
 def process_faults(pid: int) -> int:

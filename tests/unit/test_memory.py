@@ -10,10 +10,10 @@ freed buffers back to the kernel and every page faults again.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
+from tests.support.page_faults import environment_without_malloc_settings
 from tests.support.procs import REPO
 
 PAGES = 10 * 8 * (4 << 20) // 4096  # pages written over the 10 counted rounds
@@ -35,8 +35,8 @@ print(json.dumps({"done": done, "faults": resource.getrusage(resource.RUSAGE_SEL
 
 
 def run(retain: bool, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, "1" if retain else "0"], cwd=REPO, env={**clean, **env},
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "1" if retain else "0"], cwd=REPO,
+                         env={**environment_without_malloc_settings(), **env},
                          capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
 
