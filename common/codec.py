@@ -3,19 +3,26 @@
 A frame is the protobuf encoding of ``shardps.v1.Frame`` with field 1 (the
 small ``ChunkHeader``) followed by field 2 (the raw little-endian payload),
 written by hand so that the payload is copied exactly once, straight from
-the tensor's memory into the frame's ``bytes``. Decoding slices the payload
-as a ``memoryview`` of the received message; :func:`copy_payload` then
-copies those bytes straight into the caller's tensor (one ``memcpy`` when
-the wire type is the destination's dtype). No tensor is ever made over the
-received, read-only bytes, so torch never warns about them and shardps
-installs no warnings filter. Frames that do not start with field 1 (the
-``RoundHeader`` frame, or a frame written by another protobuf runtime) take
-the ordinary protobuf parser.
+the tensor's memory into the frame's ``bytes``. The header is padded
+(``ChunkHeader.pad``) so that the payload starts at a multiple of
+:data:`PAYLOAD_ALIGN` bytes from the frame's start. Decoding slices the
+payload as a ``memoryview`` of the received message; :func:`copy_payload`
+then copies those bytes straight into the caller's tensor (one ``memcpy``
+when the wire type is the destination's dtype), and :func:`payload_view`
+gives a float32 payload as a tensor over the received bytes themselves (no
+copy; shards step gradients from there). Such a tensor is read-only by
+contract; torch's one warning that it cannot enforce that is filtered out
+of the single call that triggers it, and no other warnings filter is
+installed. Frames that do not start with field 1 (the ``RoundHeader``
+frame, or a frame written by another protobuf runtime) take the ordinary
+protobuf parser.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -46,6 +53,8 @@ WIRE_DTYPE_NAMES: dict[str, int] = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp
 
 _TAG_HEADER = 0x0A  # field 1, length-delimited
 _TAG_PAYLOAD = 0x12  # field 2, length-delimited
+#: Chunk frames put their payload at a multiple of this many bytes from the frame's start (``ChunkHeader.pad``).
+PAYLOAD_ALIGN = 16
 
 
 class FrameError(ValueError):
@@ -137,10 +146,25 @@ def encode_chunk(
     )
     if checksum:
         header.crc32 = zlib.crc32(payload)
+    prefix = _aligned_prefix(header, len(payload))
+    return b"".join((prefix, payload))
+
+
+def _aligned_prefix(header: pb.ChunkHeader, payload_bytes: int) -> bytes:
+    """Everything of a chunk frame before its payload, padded (``ChunkHeader.pad``) to a multiple of
+    :data:`PAYLOAD_ALIGN` bytes, so that a received frame's payload is aligned as the frame's buffer is."""
+    tail = bytes((_TAG_PAYLOAD,)) + _varint(payload_bytes)
     hb = header.SerializeToString()
-    return b"".join(
-        (bytes((_TAG_HEADER,)), _varint(len(hb)), hb, bytes((_TAG_PAYLOAD,)), _varint(len(payload)), payload)
-    )
+    short = -(1 + len(_varint(len(hb))) + len(hb) + len(tail)) % PAYLOAD_ALIGN
+    first = (short - 2) % PAYLOAD_ALIGN or PAYLOAD_ALIGN  # a pad of k bytes adds 2 + k
+    for pad in (0, *range(first, first + PAYLOAD_ALIGN + 2)) if short else (0,):  # (the header's varint may grow)
+        if pad:
+            header.pad = bytes(pad)
+            hb = header.SerializeToString()
+        prefix = b"".join((bytes((_TAG_HEADER,)), _varint(len(hb)), hb, tail))
+        if len(prefix) % PAYLOAD_ALIGN == 0:
+            return prefix
+    raise AssertionError("no pad aligns the payload")  # unreachable: the pads tried cover every residue
 
 
 def encode_round(header: pb.RoundHeader) -> bytes:
@@ -240,6 +264,47 @@ def copy_payload(header: pb.ChunkHeader, payload: memoryview, dst: torch.Tensor)
         _memcpy(dst, payload)  # into dst's own memory
         return
     dst.copy_(payload_tensor(header, payload, pin=dst.is_cuda))
+
+
+def payload_view(header: pb.ChunkHeader, payload: memoryview) -> torch.Tensor | None:
+    """The payload of a float32 chunk as a tensor over the received bytes themselves (no copy), or None.
+
+    Returns:
+        A 1-D float32 tensor of ``header.numel`` elements sharing the
+        payload's memory, which is read-only: the caller must never write
+        to it (torch cannot enforce that; shards only read gradients). None
+        when the wire type is not float32, the chunk is empty, or the payload
+        is not at a multiple of 4 bytes in memory (a frame from a sender that
+        does not pad its header, ``ChunkHeader.pad``): copy it then
+        (:func:`copy_payload`).
+
+    Raises:
+        FrameError: unknown dtype, payload length not ``numel * itemsize``, or a CRC mismatch.
+    """
+    if check_payload(header, payload) is not torch.float32 or header.numel == 0:
+        return None
+    view = _frombuffer(payload)
+    return view if view.data_ptr() % 4 == 0 else None
+
+
+_quiet = threading.Lock()
+_warned = False
+
+
+def _frombuffer(payload: memoryview) -> torch.Tensor:
+    """``torch.frombuffer`` over read-only bytes. torch warns once per process that such a tensor is writable
+    anyway; that first call runs with the warning filtered out, so that a shard's log does not suggest a
+    fault (the bytes are only read)."""
+    global _warned
+    if not _warned:
+        with _quiet:
+            if not _warned:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                    view = torch.frombuffer(payload, dtype=torch.float32)
+                _warned = True
+                return view
+    return torch.frombuffer(payload, dtype=torch.float32)
 
 
 def payload_tensor(header: pb.ChunkHeader, payload: memoryview, *, pin: bool = False) -> torch.Tensor:

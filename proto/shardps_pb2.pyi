@@ -281,7 +281,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state")
+    __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state", "pad")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class ChunkHeader(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     numel: int
@@ -296,7 +297,8 @@ class ChunkHeader(_message.Message):
     version: int
     crc32: int
     state: str
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., version: _Optional[int] = ..., crc32: _Optional[int] = ..., state: _Optional[str] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
     __slots__ = ("worker_id", "round", "plan_fingerprint", "pull_dtype", "session", "scaled", "check_only", "streamed", "options")

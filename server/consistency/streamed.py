@@ -20,8 +20,9 @@ element gets the value a plain round gives it, bit for bit.
 All or nothing: before a chunk's first apply its parameters and optimizer
 state are copied (``ShardOptimizer.save_units``), and the average of
 several members' pushes goes to a buffer of the round's own, so the pushes
-stay as they arrived (one member's push is stepped where it was staged:
-nothing applies it again); a round
+stay as they arrived (float32 chunks are read from the frames they arrived
+in, never copied: ``Receiver.kept``; one member's push is stepped from
+there, as nothing applies it again); a round
 that must be refused after some chunks were applied (an update that would
 not be finite) is undone from those copies, its hyperparameters put back,
 and every member's call ends with the error: the shard is as before the
@@ -167,7 +168,8 @@ class StreamedRounds:
         rnd = current
         staging, arena = rounds.take_staging()
         rnd.headers[w], rnd.staging[w] = header, (staging, arena)
-        rnd.receivers[w] = rounds.table.receiver(rnd_no, staging, arena, what=what,
+        # fp32 chunks stay in the frames they arrived in (Receiver.kept): _apply reads them there
+        rnd.receivers[w] = rounds.table.receiver(rnd_no, staging, arena, what=what, keep=True,
                                                  reject_nonfinite=rounds.config.reject_nonfinite)
         outbox = rnd.outboxes[w] = asyncio.Queue()
         rnd.hyperparams[w] = hyperparams
@@ -408,9 +410,18 @@ class StreamedRounds:
         members = [m.worker_id for m in rnd.frozen]
         lead = members[0]
         grads = [rnd.staging[w][0] for w in members]
-        # One member: its push is the average, stepped from where it was staged. The copy kept for
-        # several members exists so that a round applied again without one of them (REWIND) finds the
-        # others' pushes as they came; a round of one member is never applied again with that push.
+        # Each member's chunk is read where it arrived (its receiver kept the frame: Receiver.kept) or was
+        # staged (another wire type, an absent key's zeros). One member: its push is the average, stepped
+        # from there, and the frame is let go once applied (a round of one member is never applied again
+        # with that push). Several: the average goes to a buffer of the round's own, so that a round
+        # applied again without one of them (REWIND) finds the others' pushes as they came.
+        kept = [rnd.receivers[w].kept for w in members]
+        unit_grads = {i: kept[0].pop(i) for i in ready if i in kept[0]} if len(grads) == 1 else None
+
+        def pushed(j: int, i: int) -> torch.Tensor:
+            view = kept[j].get(i)
+            return table.view(grads[j], table.chunks[i]) if view is None else view
+
         if len(grads) > 1 and rnd.average is None:
             rnd.average = rounds.take_staging()[0]
         average = rnd.average if len(grads) > 1 else grads[0]
@@ -434,14 +445,14 @@ class StreamedRounds:
                     optimizer.set_hyperparams(lead_hyperparams)
             if len(grads) > 1:
                 for i in ready:  # optimizer.average_'s order: the same float32 sums, bit for bit
-                    c = table.chunks[i]
                     # the pushes stay as they came: the first sum goes straight into the round's own buffer
-                    dst = torch.add(table.view(grads[0], c), table.view(grads[1], c), out=table.view(average, c))
-                    for other in grads[2:]:
-                        dst.add_(table.view(other, c))
+                    dst = torch.add(pushed(0, i), pushed(1, i), out=table.view(average, table.chunks[i]))
+                    for j in range(2, len(grads)):
+                        dst.add_(pushed(j, i))
                     dst.mul_(1.0 / len(grads))
             rnd.saved.extend(optimizer.save_units(stepped))
-            optimizer.apply(average, present, lrs, 1.0, check, grad_bound=bound, units=set(stepped))
+            optimizer.apply(average, present, lrs, 1.0, check, grad_bound=bound, units=set(stepped),
+                            unit_grads=unit_grads)
             frames = {}
             for code in dtypes:
                 dtype = FLOAT_DTYPES[code]
@@ -521,6 +532,7 @@ class StreamedRounds:
         for staging in rnd.staging.values():
             self.rounds.give_back(*staging)
         rnd.staging.clear()
+        rnd.receivers.clear()  # (and the frames they kept)
         if rnd.average is not None:
             self.rounds.give_back(rnd.average, None)
             rnd.average = None

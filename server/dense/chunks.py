@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterator
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.codec import TORCH_DTYPES, DecodedFrame, FrameError, copy_payload, encode_chunk
+from shardps.common.codec import TORCH_DTYPES, DecodedFrame, FrameError, copy_payload, encode_chunk, payload_view
 from shardps.common.plan import Chunk, PartitionPlan
 from shardps.server.dense.bounds import grad_bound
 from shardps.server.checks import decode, shown
@@ -112,10 +112,11 @@ class ChunkTable:
 
     def receiver(
         self, version: int, into: dict[int, torch.Tensor], buffers_into: torch.Tensor | None, *, what: str,
-        reject_nonfinite: bool = False,
+        reject_nonfinite: bool = False, keep: bool = False,
     ) -> "Receiver":
-        """A :class:`Receiver` that writes one stream's chunks of ``version`` into ``into`` (and ``buffers_into``)."""
-        return Receiver(self, version, into, buffers_into, what=what, reject_nonfinite=reject_nonfinite)
+        """A :class:`Receiver` that writes one stream's chunks of ``version`` into ``into`` (and ``buffers_into``);
+        ``keep``: float32 parameter chunks stay where they arrived instead (:attr:`Receiver.kept`)."""
+        return Receiver(self, version, into, buffers_into, what=what, reject_nonfinite=reject_nonfinite, keep=keep)
 
     def frames(
         self, buffers: dict[int, torch.Tensor], arena: torch.Tensor, version: int, dtype: torch.dtype,
@@ -148,14 +149,22 @@ class Receiver:
     ``isfinite`` test only when that sum is not finite). On error ``into`` may
     hold part of the stream: callers stage into buffers of their own and
     discard them on error.
+
+    With ``keep``, a float32 parameter chunk whose payload is aligned (every
+    chunk of a shardps worker) is not copied into ``into``: :attr:`kept`
+    holds it as a read-only tensor over the received frame, and the caller
+    reads the gradient from there (one pass over the chunk less).
     """
 
     def __init__(
         self, table: ChunkTable, version: int, into: dict[int, torch.Tensor], buffers_into: torch.Tensor | None, *,
-        what: str, reject_nonfinite: bool,
+        what: str, reject_nonfinite: bool, keep: bool = False,
     ) -> None:
         self.table, self.version, self.into, self.buffers_into, self.what = table, version, into, buffers_into, what
-        self.reject_nonfinite = reject_nonfinite
+        self.reject_nonfinite, self.keep = reject_nonfinite, keep
+        #: with ``keep``: ``{index into table.chunks: 1-D float32 tensor over the received payload}`` (read-only;
+        #: its slice of ``into`` was not written)
+        self.kept: dict[int, torch.Tensor] = {}
         #: with ``reject_nonfinite``: an upper bound on |g| over every chunk received (bounds.grad_bound)
         self.grad_bound = 0.0
         self.seen = bytearray(len(table.chunks))
@@ -199,8 +208,10 @@ class Receiver:
                 if h.dtype not in (1, 2, 3):  # FLOAT32, BFLOAT16, FLOAT16
                     raise InvalidArgument(f"{what}: chunk of key {h.key!r} has dtype {h.dtype}; parameters and "
                                           "gradients travel as FLOAT32, BFLOAT16 or FLOAT16")
-                dst = self.table.view(self.into, self.table.chunks[index])
-                copy_payload(h, frame.payload, dst)
+                dst = view = payload_view(h, frame.payload) if self.keep else None
+                if view is None:
+                    dst = self.table.view(self.into, self.table.chunks[index])
+                    copy_payload(h, frame.payload, dst)
                 # one pass while the chunk is in cache: the bound the update's finite proof starts from
                 bound = grad_bound((dst,)) if self.reject_nonfinite else 0.0
                 self.grad_bound = max(self.grad_bound, bound)
@@ -209,6 +220,8 @@ class Receiver:
                     raise InvalidArgument(
                         f"{what}: values of key {h.key!r} (elements {h.offset}..{h.offset + h.numel}) hold NaN or Inf"
                     )
+                if view is not None:
+                    self.kept[index] = view
         except FrameError as exc:
             raise InvalidArgument(f"{what}: {exc}") from None
         seen[index] = 1

@@ -52,7 +52,7 @@ clip coefficient, which :meth:`ShardOptimizer.apply` multiplies in.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -235,7 +235,7 @@ class ShardOptimizer(UnitState):
 
     def apply(self, grads: dict[int, torch.Tensor], present: Collection[int], lrs: Sequence[float],
               clip_coef: float = 1.0, check: bool = True, grad_bound: float | None = None,
-              units: Collection[int] | None = None) -> None:
+              units: Collection[int] | None = None, unit_grads: Mapping[int, torch.Tensor] | None = None) -> None:
         """Step the keys in ``present`` with the averaged ``grads`` (times ``clip_coef``), or refuse.
 
         Args:
@@ -253,6 +253,9 @@ class ShardOptimizer(UnitState):
                 over ``grads`` measures it.
             units: step only these units (a round applied a chunk at a time; each unit
                 of a present key exactly once per round); None: every unit.
+            unit_grads: ``{unit: 1-D float32}``, a unit's gradient held somewhere
+                else than its slice of ``grads`` (a chunk stepped where it was
+                received); it is only read. Needs ``grad_bound`` when ``check``.
 
         Raises:
             RoundRefused: the new parameters or optimizer state would not be
@@ -260,6 +263,9 @@ class ShardOptimizer(UnitState):
         """
         if self.optimizer is None:  # this shard holds no parameter elements
             return
+        unit_grads = unit_grads or {}
+        if unit_grads and (clip_coef != 1.0 or (check and grad_bound is None)):
+            raise ValueError("unit_grads needs clip_coef 1 and, with check, a grad_bound")
         if clip_coef != 1.0:
             torch._foreach_mul_(self._present_grads(grads, present), clip_coef)
         param_groups = self.optimizer.param_groups
@@ -271,7 +277,7 @@ class ShardOptimizer(UnitState):
             k = self.unit_key[u]
             if k in present and (units is None or u in units):
                 group, start, end = self.unit_slices[u]
-                view.grad = grads[group][start:end]
+                view.grad = unit_grads[u] if u in unit_grads else grads[group][start:end]
                 stepped.add(group)
             else:
                 view.grad = None

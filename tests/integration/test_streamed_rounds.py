@@ -236,3 +236,69 @@ def test_a_shard_that_holds_no_chunk_completes_streamed_rounds(start_cluster) ->
         t.join(timeout=120)
     assert not errors, errors
     assert values[0] == values[1] == pytest.approx(1.0 - 3 * 0.1 * 1.5)
+
+
+# ---------------------------------------------------------------- gradients read where they arrived
+def _adam_oracle(m: nn.Module, fills: list[float]) -> nn.Module:
+    ref = nn.Linear(20, 10)
+    ref.load_state_dict(m.state_dict())
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    for fill in fills:
+        for p in ref.parameters():
+            p.grad = torch.full_like(p, fill)
+        opt.step()
+    return ref
+
+
+def _alone(start_cluster, min_workers: int = 1) -> tuple[ShardClient, RawWorker, nn.Module]:
+    cluster = start_cluster(1, min_workers=min_workers)
+    torch.manual_seed(0)
+    m = nn.Linear(20, 10)
+    plan, spec = plan_and_spec(m, torch.optim.Adam(m.parameters(), lr=0.1))
+    client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=20.0)
+    a = RawWorker(client, "a", plan, spec)
+    a.join()
+    a.init(0, dict(m.named_parameters()))
+    return client, a, m
+
+
+def test_a_member_alone_whose_push_fails_after_chunks_were_applied_changes_nothing(start_cluster) -> None:
+    """A member alone in the job: the shard steps its chunks where they arrived (no staging copy). A NaN chunk
+    after one was applied undoes it (parameters and Adam state as before), and the round pushed again gives the
+    single-process values bit for bit."""
+    client, a, m = _alone(start_cluster)
+    _round([a], 0, 0.5)
+    before = snapshot(client)
+    q, call = _streamed(a, 1)
+    first, second, *_ = a.chunks(0, 0.25)
+    q.put(encode_chunk(*first, 1))
+    answers = iter(call)
+    assert decode_frame(next(answers)).header.version == 2  # applied
+    q.put(encode_chunk(second[0], second[1], torch.full_like(second[2], float("nan")), 1))
+    q.put(None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(answers)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in err.value.details()
+    after = snapshot(client)
+    assert (after["version"], after["digest"]) == (before["version"], before["digest"])
+    _round([a], 1, 0.25)
+    got, ref = _pulled(client, a, 2, m), _adam_oracle(m, [0.5, 0.25])
+    for key, p in ref.named_parameters():
+        assert torch.equal(got[key], p.detach().reshape(-1)), key
+
+
+def test_pushes_are_averaged_from_the_frames_they_arrived_in(start_cluster) -> None:
+    """a pushes round 0 while alone; round 0 waits for min_workers=2, b joins and pushes: the round's average
+    reads both pushes from the frames they arrived in, bit for bit the two-worker average."""
+    client, a, m = _alone(start_cluster, min_workers=2)
+    qa, call_a = _streamed(a, 0)
+    _push_all(a, qa, 0, 0.5)
+    b = RawWorker(client, "b", a.plan, a.spec)
+    b.join()
+    qb, call_b = _streamed(b, 0)
+    _push_all(b, qb, 0, 0.25)
+    for call in (call_a, call_b):
+        assert {decode_frame(raw).header.version for raw in call} == {1}
+    got, ref = _pulled(client, a, 1, m), _adam_oracle(m, [0.375])
+    for key, p in ref.named_parameters():
+        assert torch.equal(got[key], p.detach().reshape(-1)), key

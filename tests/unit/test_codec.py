@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.codec import FrameError, copy_payload, decode_frame, encode_chunk, encode_round
+from shardps.common.codec import PAYLOAD_ALIGN, FrameError, copy_payload, decode_frame, encode_chunk, encode_round
 
 
 def decoded_values(raw: bytes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -81,3 +81,42 @@ def test_import_leaves_warning_filters_alone_and_decoding_warns_nothing() -> Non
         warnings.simplefilter("error")  # torch's "buffer is not writable" would raise here
         decoded_values(raw)
         decoded_values(raw, torch.bfloat16)
+
+
+@pytest.mark.parametrize("key_chars", [1, 13, 40, 100, 113, 126, 127, 128, 200, 16400])
+def test_payloads_start_at_an_aligned_offset_and_any_parser_reads_the_frame(key_chars: int) -> None:
+    """The pad field puts every payload at a multiple of PAYLOAD_ALIGN bytes, whatever the header's length
+    (the key, the offset, a CRC or a state name; the header's length varint growing at 128 and 16384 bytes)."""
+    for offset in (0, 1, 1 << 20, 1 << 40):
+        for numel in (0, 1, 1000):
+            for extra in ({}, {"checksum": True}, {"state": "exp_avg"}):
+                values = torch.arange(numel, dtype=torch.float32)
+                raw = encode_chunk("k" * key_chars, offset, values, 3, **extra)
+                frame = decode_frame(raw)
+                assert (len(raw) - len(frame.payload)) % PAYLOAD_ALIGN == 0
+                assert frame.header.key == "k" * key_chars and frame.header.offset == offset
+                msg = pb.Frame.FromString(raw)
+                assert msg.header.numel == numel and msg.payload == values.numpy().tobytes()
+
+
+def test_a_payload_view_is_the_received_bytes_or_none_and_warns_nothing() -> None:
+    """In a fresh interpreter (torch warns once per process): the first view warns nothing either."""
+    code = """
+import warnings, numpy as np, torch
+from shardps.proto import shardps_pb2 as pb
+from shardps.common.codec import decode_frame, encode_chunk, payload_view
+warnings.simplefilter("error")
+raw = encode_chunk("k", 0, torch.arange(10.0), 1)
+frame = decode_frame(raw)
+view = payload_view(frame.header, frame.payload)
+start = np.frombuffer(raw, np.uint8).ctypes.data
+assert torch.equal(view, torch.arange(10.0)) and start <= view.data_ptr() < start + len(raw)
+half = decode_frame(encode_chunk("k", 0, torch.arange(10.0).bfloat16(), 1))
+assert payload_view(half.header, half.payload) is None  # bf16 is converted, so copied
+hb = pb.ChunkHeader(key="kkk", numel=10, dtype=pb.FLOAT32).SerializeToString()  # a frame with no pad
+odd = bytes((0x0A, len(hb))) + hb + bytes((0x12, 40)) + torch.arange(10.0).numpy().tobytes()
+assert (np.frombuffer(odd, np.uint8).ctypes.data + len(odd) - 40) % 4, "this frame's payload should be misaligned"
+frame = decode_frame(odd)
+assert payload_view(frame.header, frame.payload) is None
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
