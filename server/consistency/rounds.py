@@ -76,12 +76,14 @@ def _needs_commit(trailer: pb.RoundTrailer) -> bool:
 
 @dataclass
 class _Pushed:
-    """One member's accepted push of the open round (its gradients are in ``member.staging``)."""
+    """One member's accepted push of the open round (its gradients are in ``member.staging``, and its float32
+    chunks in the frames they arrived in, ``kept``: ``Receiver.kept``)."""
 
     trailer: pb.RoundTrailer
     scaled: bool
     hyperparams: list[dict] | None
     grad_bound: float | None = None  # |g| bound over its chunks, measured as they arrived (None: not measured)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -317,7 +319,11 @@ class Rounds(CommitExchange):
         staging, arena = self.take_staging()
         what = f"push of round {rnd}"
         try:
-            rx = self.table.receiver(rnd, staging, arena, what=what,
+            # float32 chunks stay in their frames where the push will likely be stepped alone (see _apply): an
+            # async/ssp push, or a sync job of one member; a round that averages would copy them to staging
+            # anyway, while holding every member's frames
+            alone = not header.scaled and (not self.mode.synchronous or len(self._members) == 1)
+            rx = self.table.receiver(rnd, staging, arena, what=what, keep=alone,
                                      reject_nonfinite=self.config.reject_nonfinite and not header.scaled)
             trailer = await rx.read_push(frames)
             hyperparams = checks.check_trailer(trailer, len(self._hyperparam_names), self._hyperparam_names)
@@ -339,7 +345,7 @@ class Rounds(CommitExchange):
         member.staging, member.arena, member.last_round, member.failed = staging, arena, rnd, None
         self.pushes_accepted += 1
         self.pushed[member.worker_id] = _Pushed(trailer, header.scaled, hyperparams,
-                                                rx.grad_bound if rx.reject_nonfinite else None)
+                                                rx.grad_bound if rx.reject_nonfinite else None, rx.kept)
         needs_commit = _needs_commit(trailer)
         task = self.maybe_apply()
         if task is not None and not needs_commit and self.mode.synchronous:
@@ -398,8 +404,14 @@ class Rounds(CommitExchange):
             if self.mode.scale_lr and staleness > 1:
                 lrs = [lr / staleness for lr in lrs]
             norm_type = lead.norm_type or 2.0
+            # One push that neither clips nor scales is stepped from the frames its chunks arrived in; averaging,
+            # unscaling and clipping write the gradient, so those rounds copy the frames to staging first.
+            alone = len(pushes) == 1 and not closed.needs_commit
 
             def average_and_report() -> None:
+                for grads, push in zip(closed.grads, pushes if not alone else ()):
+                    for i, frame in push.kept.items():
+                        self.table.view(grads, self.table.chunks[i]).copy_(frame)
                 average_(closed.grads)
                 if closed.needs_commit:
                     part, found = self.optimizer.report(closed.grads[0], closed.present, lead.inv_scale, norm_type)
@@ -422,7 +434,8 @@ class Rounds(CommitExchange):
                         bounds = [p.grad_bound for p in pushes]
                         bound = None if None in bounds else average_bound(bounds, lead.inv_scale)
                         self.optimizer.apply(closed.grads[0], closed.present, lrs, clip_coef,
-                                             self.config.reject_nonfinite, grad_bound=bound)
+                                             self.config.reject_nonfinite, grad_bound=bound,
+                                             unit_grads=pushes[0].kept if alone else None)
                 except BaseException:
                     if before is not None:  # a refused round changes nothing: its hyperparameters neither
                         self.optimizer.set_hyperparams(before)

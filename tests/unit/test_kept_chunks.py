@@ -1,6 +1,7 @@
-"""Gradients read where they arrived: a shard's streamed rounds read each float32 chunk from the received frame
-(``Receiver(keep=True)``; one member's is stepped from there, ``ShardOptimizer.apply(unit_grads=)``) instead of
-a staging copy."""
+"""Gradients read where they arrived: a shard reads each float32 chunk from the received frame
+(``Receiver(keep=True)``) instead of a staging copy, and steps a lone push from there
+(``ShardOptimizer.apply(unit_grads=)``); the rounds' exactness is tested end to end in
+tests/integration/test_streamed_rounds.py and test_sync_oracle.py."""
 
 import numpy as np
 import pytest
