@@ -27,7 +27,8 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for key in ("shardps_gbps", "shardps_bf16_wire_gbps", "grpc_ceiling_gbps", "tcp_ceiling_gbps",
+    for key in ("shardps_gbps", "shardps_bf16_wire_gbps", "shardps_push_then_pull_gbps", "grpc_ceiling_gbps",
+                "tcp_ceiling_gbps",
                 "grpc_multi_channel_ceiling_gbps", "grpc_push_pull_ceiling_gbps"):
         assert r[key] > 0, key
     assert set(r["grpc_channels_gbps"]) == set(r["grpc_push_pull_channels_gbps"]) == {"1", "2"}
@@ -36,4 +37,6 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     assert r["ratio_to_grpc_push_pull"] == pytest.approx(r["shardps_gbps"] / r["grpc_push_pull_ceiling_gbps"])
     assert r["goal"]["ratio"] == pytest.approx(r["shardps_gbps"] / r["grpc_multi_channel_ceiling_gbps"])
     assert r["goal"]["met"] == (r["goal"]["ratio"] >= r["goal"]["min_ratio_to_grpc_multi_channel"])
+    assert r["ratio_push_then_pull_to_grpc_multi_channel"] == pytest.approx(
+        r["shardps_push_then_pull_gbps"] / r["grpc_multi_channel_ceiling_gbps"])
     assert "push+pull" in proc.stdout
