@@ -339,6 +339,8 @@ class Rounds(CommitExchange):
                 raise Aborted(f"round {rnd} closed without worker {shown(member.worker_id)}'s push (it left)")
         except BaseException:
             self._give_back(staging, arena)
+            if "rx" in locals():
+                rx.kept.clear()  # now: the traceback may keep the receiver alive until a garbage collection
             raise
         finally:
             member.pushing = None

@@ -273,7 +273,9 @@ class StreamedRounds:
             self.rounds.pushes_dropped += 1  # an accepted push that will not count
         rnd.headers.pop(w, None)
         rnd.readers.pop(w, None)
-        rnd.receivers.pop(w, None)
+        rx = rnd.receivers.pop(w, None)
+        if rx is not None:
+            rx.kept.clear()  # the frames go now, even where a traceback still holds the receiver
         rnd.trailers.pop(w, None)
         staging = rnd.staging.pop(w, None)
         if staging is not None:
@@ -532,7 +534,9 @@ class StreamedRounds:
         for staging in rnd.staging.values():
             self.rounds.give_back(*staging)
         rnd.staging.clear()
-        rnd.receivers.clear()  # (and the frames they kept)
+        for rx in rnd.receivers.values():
+            rx.kept.clear()
+        rnd.receivers.clear()
         if rnd.average is not None:
             self.rounds.give_back(rnd.average, None)
             rnd.average = None
