@@ -318,6 +318,7 @@ class Rounds(CommitExchange):
         member.pushing = asyncio.current_task()  # a Leave ends it (and frees its staging)
         staging, arena = self.take_staging()
         what = f"push of round {rnd}"
+        rx = None
         try:
             # float32 chunks stay in their frames where the push will likely be stepped alone (see _apply): an
             # async/ssp push, or a sync job of one member; a round that averages would copy them to staging
@@ -339,7 +340,7 @@ class Rounds(CommitExchange):
                 raise Aborted(f"round {rnd} closed without worker {shown(member.worker_id)}'s push (it left)")
         except BaseException:
             self._give_back(staging, arena)
-            if "rx" in locals():
+            if rx is not None:
                 rx.kept.clear()  # now: the traceback may keep the receiver alive until a garbage collection
             raise
         finally:

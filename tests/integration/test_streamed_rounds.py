@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.codec import decode_frame, encode_chunk, encode_control, encode_round
+from shardps.common.codec import decode_frame, encode_chunk, encode_control, encode_round, payload_view
 from shardps.worker.pipeline import streams
 from shardps.worker.session.client import ShardClient
 from tests.integration.test_sync_oracle import CHUNK_BYTES, train_sharded, train_single
@@ -300,5 +300,38 @@ def test_pushes_are_averaged_from_the_frames_they_arrived_in(start_cluster) -> N
     for call in (call_a, call_b):
         assert {decode_frame(raw).header.version for raw in call} == {1}
     got, ref = _pulled(client, a, 1, m), _adam_oracle(m, [0.375])
+    for key, p in ref.named_parameters():
+        assert torch.equal(got[key], p.detach().reshape(-1)), key
+
+
+def _misaligned(key: str, offset: int, values: torch.Tensor, round_: int) -> bytes:
+    """A chunk frame written by stock protobuf with a pad that leaves the payload off a 4-byte boundary."""
+    for pad in range(8):
+        header = pb.ChunkHeader(key=key, offset=offset, numel=values.numel(), dtype=pb.FLOAT32, version=round_,
+                                pad=bytes(pad))
+        raw = pb.Frame(header=header, payload=values.numpy().tobytes()).SerializeToString()
+        if (len(raw) - values.numel() * 4) % 4:
+            frame = decode_frame(raw)
+            assert payload_view(frame.header, frame.payload) is None  # a receiver copies this one
+            return raw
+    raise AssertionError("no pad misaligns the payload")
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_frames_whose_payload_is_not_aligned_are_copied_and_give_the_same_round(start_cluster, streamed: bool) -> None:
+    """A sender that does not align its payloads (another runtime, an odd pad): the shard copies each chunk as it
+    did before reading chunks where they arrived, and the round is the single-process one, bit for bit."""
+    client, a, m = _alone(start_cluster)
+    if streamed:
+        q, call = _streamed(a, 0)
+        for key, offset, values in a.chunks(0, 0.5):
+            q.put(_misaligned(key, offset, values, 0))
+        q.put(encode_control(trailer=a.trailer([0.1])))
+        q.put(None)
+        assert {decode_frame(raw).header.version for raw in call} == {1}
+    else:
+        chunks = [_misaligned(key, offset, values, 0) for key, offset, values in a.chunks(0, 0.5)]
+        client.push(iter([encode_round(a.header(0)), *chunks, encode_control(trailer=a.trailer([0.1]))]))
+    got, ref = _pulled(client, a, 1, m), _adam_oracle(m, [0.5])
     for key, p in ref.named_parameters():
         assert torch.equal(got[key], p.detach().reshape(-1)), key
