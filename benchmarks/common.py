@@ -68,8 +68,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds process ``pid`` used so far (all its threads); None without it or Linux's /proc."""
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User + system CPU seconds process ``pid`` used so far (all its threads); None without it or Linux's /proc.
+
+    ``None``: this process, from ``getrusage`` (microseconds). Another process: from ``/proc/<pid>/stat``, in
+    clock ticks (10 ms on most kernels), so sum it over many calls before dividing.
+    """
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

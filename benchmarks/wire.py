@@ -35,11 +35,18 @@ on fresh shards. Every process of the run keeps freed buffers for reuse
 (``shardps.common.memory``, as workers and shards do by default), and the
 gradients are made once, as the ceilings' payload is: what is timed is the
 round trip.
+
+Every timed call is also charged with the CPU time it cost, this process's
+and that of the server processes it talks to (``cpu_seconds_per_round`` in
+the JSON, a table in the output): where the CPUs, not the links, bind (a
+host with fewer cores than processes), a round can take no less than its
+total CPU time over the cores, whatever it overlaps.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -51,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
-from common import emit, parser, table  # noqa: E402
+from common import cpu_seconds, emit, parser, table  # noqa: E402
 
 from shardps.common.memory import retain_freed_memory  # noqa: E402
 from shardps.common.transport import channel_options  # noqa: E402
@@ -205,6 +212,24 @@ def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtyp
     return dist, round_trip
 
 
+def cpu_accounting(calls: list[list[float]], seconds: list[float]) -> dict:
+    """Mean CPU seconds per call of one sender: ``client`` (this process), ``servers`` (each server process),
+    their ``total``; ``wall``, the mean call time, s; ``cores_busy`` = total / wall.
+
+    ``calls``: per call, ``[this process, server 1, ...]`` CPU seconds; ``seconds``: the calls' wall times.
+    Server processes are read in clock ticks, so the means are good to about 10 ms / sqrt(calls) each.
+    None where a process's CPU time could not be read (no Linux /proc).
+    """
+    n = len(calls)
+    if any(None in c for c in calls):
+        return None
+    client = sum(c[0] for c in calls) / n
+    servers = [sum(c[i] for c in calls) / n for i in range(1, len(calls[0]))]
+    wall = sum(seconds) / n
+    return {"client": client, "servers": servers, "servers_total": sum(servers), "total": client + sum(servers),
+            "wall": wall, "cores_busy": (client + sum(servers)) / wall}
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=9)
@@ -228,10 +253,20 @@ def main() -> None:
             dist, senders["shardps"] = shardps_rounds(cluster, args.chunk_bytes, "fp32", "fp32")
             plain, senders["shardps_plain"] = shardps_rounds(plain_cluster, args.chunk_bytes, "fp32", "fp32",
                                                              streamed=False)
+            # the server processes each sender talks to, whose CPU time its calls are charged with
+            servers = {name: [sinks[1].proc.pid] if name == "tcp" else
+                       [sinks[0].proc.pid, sinks[2].proc.pid] if name.startswith("echo_") else
+                       [p.pid for p in cluster.processes] if name == "shardps" else
+                       [p.pid for p in plain_cluster.processes] if name == "shardps_plain" else [sinks[0].proc.pid]
+                       for name in senders}
             times: dict[str, list[float]] = {k: [] for k in senders}
+            cpu: dict[str, list[list[float]]] = {k: [] for k in senders}  # per call: [this process, servers...]
             for _ in range(args.repeats + 1):  # interleaved, so all see the same machine; first is warm-up
                 for name, fn in senders.items():
+                    before = [cpu_seconds(), *map(cpu_seconds, servers[name])]
                     times[name].append(_seconds(fn))
+                    after = [cpu_seconds(), *map(cpu_seconds, servers[name])]
+                    cpu[name].append([None if None in (a, b) else a - b for a, b in zip(after, before)])
             dist.close()
             plain.close()
             for fn in senders.values():
@@ -267,6 +302,8 @@ def main() -> None:
         (2 * MODEL_BYTES / times["shardps"][r]) / max(2 * MODEL_BYTES / times[f"echo_{n}"][r] for n in counts)
         for r in range(1, args.repeats + 1)
     )
+    cpu_per_round = {name: cpu_accounting(cpu[name][1:], times[name][1:]) for name in senders}
+    goal_round = 2 * MODEL_BYTES / (GOAL * multi * 1e9)  # seconds a round may take at the goal
     result = {
         "model_bytes": MODEL_BYTES,
         "chunk_bytes": args.chunk_bytes,
@@ -284,7 +321,10 @@ def main() -> None:
         "grpc_multi_channel_ceiling_channels": best,
         "ratio_to_grpc_multi_channel": ours / multi,
         "ratio_to_grpc_multi_channel_paired_median": multi_pair,
-        "goal": {"min_ratio_to_grpc_multi_channel": GOAL, "ratio": ours / multi, "met": ours / multi >= GOAL},
+        "goal": {"min_ratio_to_grpc_multi_channel": GOAL, "ratio": ours / multi, "met": ours / multi >= GOAL,
+                 "round_seconds_at_goal": goal_round,
+                 # the most CPU a round may cost at the goal, every core busy all the time
+                 "cpu_seconds_per_round_at_goal_all_cores": goal_round * (os.cpu_count() or 1)},
         "ratio_push_then_pull_to_grpc_multi_channel": plain_gbps / multi,
         "grpc_push_pull_channels_gbps": {str(n): g for n, g in echo_gbps.items()},
         "grpc_push_pull_ceiling_gbps": echo_gbps[echo_best],
@@ -296,6 +336,8 @@ def main() -> None:
         "grpc_seconds": times["grpc"][1:],
         "grpc_channels_seconds": {str(n): times["grpc" if n == 1 else f"grpc_{n}"][1:] for n in counts},
         "grpc_push_pull_seconds": {str(n): times[f"echo_{n}"][1:] for n in counts},
+        "cpu_seconds_per_round": cpu_per_round,
+        "cores": os.cpu_count(),
     }
     print(table(
         [
@@ -311,6 +353,23 @@ def main() -> None:
         ],
         [f"64 MiB fp32 model, {args.chunk_bytes >> 10} KiB chunks", "GB/s", "x gRPC"],
     ))
+    grpc_best = "grpc" if best == 1 else f"grpc_{best}"
+    accounted = all(cpu_per_round[name] is not None for name in ("shardps", "shardps_plain", grpc_best,
+                                                                   f"echo_{echo_best}"))
+    print(table(
+        [[label, *(f"{1e3 * cpu_per_round[name][k]:.1f}" for k in ("client", "servers_total", "total", "wall")),
+          f"{cpu_per_round[name]['cores_busy']:.2f}"]
+         for label, name in (("shardps sync push+pull (streamed)", "shardps"),
+                             ("shardps push then pull (streamed=False)", "shardps_plain"),
+                             (f"raw-bytes gRPC, {best} channel(s) (one way)", grpc_best),
+                             (f"raw-bytes gRPC push+pull, {echo_best} stream(s)", f"echo_{echo_best}"))],
+        ["CPU per round, ms", "this process", "servers", "total", "wall", f"cores busy (of {os.cpu_count()})"],
+    ) if accounted else "CPU per round: not measured (no /proc here)")
+    if accounted:
+        print(f"at the goal a round takes {1e3 * goal_round:.1f} ms: on {os.cpu_count()} cores, at most "
+              f"{1e3 * goal_round * os.cpu_count():.0f} ms of CPU per round with every core busy; shardps spends "
+              f"{1e3 * cpu_per_round['shardps']['total']:.0f} (streamed), "
+              f"{1e3 * cpu_per_round['shardps_plain']['total']:.0f} (push then pull)")
     print(f"paired median ratio shardps / gRPC: {pair:.2f}")
     print(f"shardps push+pull / best multi-channel gRPC ceiling ({best} channels, {multi:.2f} GB/s): "
           f"{ours / multi:.2f} (paired median {multi_pair:.2f}); goal >= {GOAL:.1f}: "

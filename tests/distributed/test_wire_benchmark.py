@@ -40,3 +40,19 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     assert r["ratio_push_then_pull_to_grpc_multi_channel"] == pytest.approx(
         r["shardps_push_then_pull_gbps"] / r["grpc_multi_channel_ceiling_gbps"])
     assert "push+pull" in proc.stdout
+    # every call is charged with its CPU time: this process's (getrusage) and each server process's (/proc)
+    accounts = r["cpu_seconds_per_round"]
+    assert set(accounts) == {"tcp", "grpc", "grpc_2", "echo_1", "echo_2", "shardps", "shardps_plain"}
+    for name, servers in (("shardps", 2), ("shardps_plain", 2), ("grpc", 1), ("echo_2", 2), ("tcp", 1)):
+        a = accounts[name]
+        assert len(a["servers"]) == servers, name
+        assert a["client"] > 0 and min(a["servers"]) >= 0 and a["wall"] > 0, (name, a)
+        assert a["total"] == pytest.approx(a["client"] + sum(a["servers"])), name
+        assert a["cores_busy"] == pytest.approx(a["total"] / a["wall"]), name
+    # shardps' worker encodes, sends, receives and copies back 2 x 64 MiB: far more than nothing
+    assert accounts["shardps"]["client"] > 0.005
+    goal = r["goal"]
+    assert goal["round_seconds_at_goal"] == pytest.approx(
+        2 * r["model_bytes"] / (goal["min_ratio_to_grpc_multi_channel"] * r["grpc_multi_channel_ceiling_gbps"] * 1e9))
+    assert goal["cpu_seconds_per_round_at_goal_all_cores"] == pytest.approx(goal["round_seconds_at_goal"] * r["cores"])
+    assert "CPU per round" in proc.stdout
