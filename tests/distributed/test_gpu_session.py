@@ -1,0 +1,77 @@
+"""benchmarks/gpu_session.py: the prepared run for a lent GPU host runs every step here too, at smoke sizes.
+
+On a machine without CUDA the GPU tests are skipped (pytest exits 0), the
+GPU benchmark runs its job on the CPU and the wire benchmark runs as
+anywhere: every step must exit 0 and leave its JSON and log, and
+session.json must say what ran. A budget too small for the later steps
+skips them and says so (exit 1), rather than running past the device
+call's limit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_session.py"
+
+
+@pytest.mark.timeout(300)
+def test_gpu_session_runs_every_step_at_smoke_sizes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(out), "--smoke", "--budget-seconds", "280"],
+                          capture_output=True, text=True, timeout=290, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    session = json.loads((out / "session.json").read_text())
+    assert [s["name"] for s in session["steps"]] == ["gpu_tests", "gpu", "wire"]
+    assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in session["steps"]), session["steps"]
+    assert session["device"]["torch"] and session["device"]["device"] in ("cpu", session["device"]["device"])
+    gpu = json.loads((out / "gpu.json").read_text())
+    assert {r["system"] for r in gpu["rows"]} >= {"torch", "shardps_2"}
+    wire = json.loads((out / "wire.json").read_text())
+    assert wire["shardps_gbps"] > 0 and wire["cpu_seconds_per_round"]["shardps"]["client"] > 0
+    tests_log = (out / "gpu_tests.log").read_text()
+    if session["device"]["device"] == "cpu":  # every GPU test is reported as skipped, none silently absent
+        assert "skipped" in tests_log and "passed" not in tests_log and "failed" not in tests_log, tests_log[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_too_small_skips_the_later_steps_and_fails(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(out), "--smoke", "--budget-seconds", "12"],
+                          capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    steps = json.loads((out / "session.json").read_text())["steps"]
+    assert [s["name"] for s in steps] == ["gpu_tests", "gpu", "wire"]
+    skipped = [s for s in steps if s.get("skipped")]
+    assert [s["name"] for s in skipped] == ["gpu_tests", "gpu"] and all(s["returncode"] is None for s in skipped)
+    # the last step had the budget's rest: a wire run that does not fit in it is killed with every shard it started
+    wire = steps[-1]
+    assert wire["limit_seconds"] <= 12 and (wire["returncode"] == 0 or wire.get("killed") or wire.get("skipped"))
+    assert "skipped: gpu_tests, gpu" in proc.stdout
+    assert not _processes_in_session(wire.get("session")), "a killed step left processes behind"
+
+
+def _processes_in_session(sid: int | None) -> list[str]:
+    """Command lines of the running processes of session ``sid`` (a step and everything it started)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if sid is not None and int(fields[3]) == sid and fields[0] != "Z":  # session id; zombies are gone
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path / "o"), "--wheels",
+                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--wheels" in proc.stderr and "no such folder" in proc.stderr
+    assert not (tmp_path / "o").exists()
