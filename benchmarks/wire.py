@@ -67,6 +67,8 @@ from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions  # no
 MODEL_BYTES = 64 << 20
 #: shardps push+pull per worker process must reach this fraction of the best multi-channel raw-gRPC ceiling.
 GOAL = 0.9
+#: The cores this run's processes may use (its CPU affinity).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _grpc_sink(conn) -> None:
@@ -324,7 +326,7 @@ def main() -> None:
         "goal": {"min_ratio_to_grpc_multi_channel": GOAL, "ratio": ours / multi, "met": ours / multi >= GOAL,
                  "round_seconds_at_goal": goal_round,
                  # the most CPU a round may cost at the goal, every core busy all the time
-                 "cpu_seconds_per_round_at_goal_all_cores": goal_round * (os.cpu_count() or 1)},
+                 "cpu_seconds_per_round_at_goal_all_cores": goal_round * CORES},
         "ratio_push_then_pull_to_grpc_multi_channel": plain_gbps / multi,
         "grpc_push_pull_channels_gbps": {str(n): g for n, g in echo_gbps.items()},
         "grpc_push_pull_ceiling_gbps": echo_gbps[echo_best],
@@ -337,7 +339,7 @@ def main() -> None:
         "grpc_channels_seconds": {str(n): times["grpc" if n == 1 else f"grpc_{n}"][1:] for n in counts},
         "grpc_push_pull_seconds": {str(n): times[f"echo_{n}"][1:] for n in counts},
         "cpu_seconds_per_round": cpu_per_round,
-        "cores": os.cpu_count(),
+        "cores": CORES,
     }
     print(table(
         [
@@ -363,11 +365,11 @@ def main() -> None:
                              ("shardps push then pull (streamed=False)", "shardps_plain"),
                              (f"raw-bytes gRPC, {best} channel(s) (one way)", grpc_best),
                              (f"raw-bytes gRPC push+pull, {echo_best} stream(s)", f"echo_{echo_best}"))],
-        ["CPU per round, ms", "this process", "servers", "total", "wall", f"cores busy (of {os.cpu_count()})"],
+        ["CPU per round, ms", "this process", "servers", "total", "wall", f"cores busy (of {CORES})"],
     ) if accounted else "CPU per round: not measured (no /proc here)")
     if accounted:
-        print(f"at the goal a round takes {1e3 * goal_round:.1f} ms: on {os.cpu_count()} cores, at most "
-              f"{1e3 * goal_round * os.cpu_count():.0f} ms of CPU per round with every core busy; shardps spends "
+        print(f"at the goal a round takes {1e3 * goal_round:.1f} ms: on {CORES} cores, at most "
+              f"{1e3 * goal_round * CORES:.0f} ms of CPU per round with every core busy; shardps spends "
               f"{1e3 * cpu_per_round['shardps']['total']:.0f} (streamed), "
               f"{1e3 * cpu_per_round['shardps_plain']['total']:.0f} (push then pull)")
     print(f"paired median ratio shardps / gRPC: {pair:.2f}")
