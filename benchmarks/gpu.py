@@ -2,7 +2,8 @@
 
     python benchmarks/gpu.py [--json PATH] [--device auto|cuda|cpu] [--steps N] [--warmup N]
                              [--workloads transformer:32,transformer:256,mlp:64] [--shards 2,4]
-                             [--wire fp32,bf16] [--repeats 1] [--switch-interval SECONDS]
+                             [--wire fp32,bf16] [--streamed on|off|on,off] [--repeats 1]
+                             [--switch-interval SECONDS]
 
 One worker process (this one) trains on the device; its shards are
 ``--shards`` processes on the same host (2 and 4 by default; started once,
@@ -22,6 +23,15 @@ AdamW stepping fp32 copies of the parameters in host memory, copied back
 each step, as the shards do: the exact oracle of the shardps rows' final
 loss on any device (plain PyTorch on CUDA runs CUDA's fused AdamW, whose
 last-bit rounding Adam's normalized update can amplify).
+
+``--streamed on,off`` also runs every shardps row push then pull
+(``WireOptions(streamed=False)``, rows named ``..._plain``). A streamed
+round's parameters reach the model only once the whole round is in (all or
+nothing: a round the shards refuse halfway changes nothing), so the next
+forward waits for all of it, while the push and the pull share the links;
+an unstreamed round's reach the model layer by layer as they arrive, and
+each layer's forward waits for its own. Which is faster where the links do
+not bind is what these rows measure.
 
 Figures per row: samples/s over the timed steps (all but the first
 ``--warmup``), its ratio to plain PyTorch's, the final loss (a fixed
@@ -240,10 +250,11 @@ def reset_shards(addresses: list[str]) -> None:
 
 
 def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync,
-                addresses: list[str], chunk_bytes: int, push_dtype: str = "fp32") -> dict:
+                addresses: list[str], chunk_bytes: int, push_dtype: str = "fp32", streamed: bool = True) -> dict:
     """One shardps worker on ``device`` with the idle shards at ``addresses``; samples/s, final loss, phases.
 
-    ``push_dtype``: the gradients' wire type (``WireOptions.push_dtype``)."""
+    ``push_dtype``: the gradients' wire type (``WireOptions.push_dtype``); ``streamed``: ``WireOptions.streamed``
+    (False: the whole push, then the whole pull, each layer's parameters copied in as they arrive)."""
     from shardps.worker import DistributedOptimizer, WireOptions
 
     model = make_model(kind, s, device)
@@ -252,7 +263,8 @@ def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device:
     try:
         dist = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
                                     model.named_parameters(), servers=addresses, model=model,
-                                    wire=WireOptions(chunk_bytes=chunk_bytes, push_dtype=push_dtype))
+                                    wire=WireOptions(chunk_bytes=chunk_bytes, push_dtype=push_dtype,
+                                                     streamed=streamed))
         registry = dist.metrics.registry
         marks, before = [], None
         sync()
@@ -364,6 +376,9 @@ def main() -> None:
     p.add_argument("--wire", default="fp32,bf16",
                    help="gradient wire types of the shardps rows, comma-separated (fp32, bf16, fp16); "
                         "parameters always come back in fp32")
+    p.add_argument("--streamed", default="on",
+                   help="on, off or on,off: shardps rows with streamed rounds (the default), push then pull "
+                        "(WireOptions(streamed=False): rows named ..._plain), or both")
     p.add_argument("--repeats", type=int, default=1, help="runs of every row, interleaved; figures are medians")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
@@ -395,8 +410,12 @@ def main() -> None:
     wires = args.wire.split(",")
     if any(w not in ("fp32", "bf16", "fp16") for w in wires):
         p.error(f"bad --wire {args.wire!r}: fp32, bf16 or fp16, comma-separated")
+    modes = args.streamed.split(",")
+    if not modes or any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
+        p.error(f"bad --streamed {args.streamed!r}: on, off or on,off")
     systems = ["torch", "torch_cpu_adamw",
-               *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") for n in shard_counts for w in wires]]
+               *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") + ("" if m == "on" else "_plain")
+                 for n in shard_counts for w in wires for m in modes]]
     rows_out = []
     from shardps.worker import LocalCluster
 
@@ -424,23 +443,29 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
                     runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync,
                                                   optimizer_on_cpu=system == "torch_cpu_adamw"))
                 else:
-                    _, n, *wire = system.split("_")
+                    n, push_dtype, streamed = shardps_system(system)
                     runs[system].append(run_shardps(kind, sizes, rows, steps, warmup, device, sync,
-                                                    clusters[int(n)], args.chunk_bytes, (wire or ["fp32"])[0]))
+                                                    clusters[n], args.chunk_bytes, push_dtype, streamed))
         base, oracle = _median_rows(runs["torch"]), _median_rows(runs["torch_cpu_adamw"])
         for system in systems:
             r = base if system == "torch" else _median_rows(runs[system])
-            shardps = system.startswith("shardps")
+            shards, push_dtype, streamed = shardps_system(system) if system.startswith("shardps") else (0, "fp32", None)
             rows_out.append({
                 "workload": kind, "samples_per_step": rows, "params": params, "system": system,
-                "shards": int(system.split("_")[1]) if shardps else 0,
-                "push_dtype": system.split("_")[2] if shardps and system.count("_") == 2 else "fp32", **r,
+                "shards": shards, "push_dtype": push_dtype, "streamed": streamed, **r,
                 "ratio_samples_per_s_vs_torch": r["samples_per_s"] / base["samples_per_s"],
                 "final_loss_abs_diff": abs(r["final_loss"] - base["final_loss"]),
                 # the exact oracle: the same AdamW on the CPU, as the shards run it
                 "final_loss_abs_diff_vs_cpu_adamw": abs(r["final_loss"] - oracle["final_loss"]),
             })
     return rows_out
+
+
+def shardps_system(system: str) -> tuple[int, str, bool]:
+    """``(shards, push dtype, streamed)`` of a shardps row's name: ``shardps_<shards>[_<dtype>][_plain]``."""
+    _, n, *rest = system.split("_")
+    streamed = rest[-1:] != ["plain"]
+    return int(n), (rest[:1] if rest and rest[0] != "plain" else ["fp32"])[0], streamed
 
 
 def print_tables(rows_out: list[dict]) -> None:

@@ -17,8 +17,9 @@ itself there.
    wheels, shardps without its dependencies (torch stays the host's);
 2. ``gpu_tests``: the tests marked ``gpu`` (the CUDA data plane against
    the single-process oracle, the node reduction over NCCL);
-3. ``gpu``: ``benchmarks/gpu.py --json OUT/gpu.json`` (shardps against
-   plain single-GPU PyTorch, where each step's time goes);
+3. ``gpu``: ``benchmarks/gpu.py --shards 2 --streamed on,off --repeats 2
+   --json OUT/gpu.json`` (shardps against plain single-GPU PyTorch, where
+   each step's time goes, streamed rounds and push then pull);
 4. ``wire``: ``benchmarks/wire.py --json OUT/wire.json`` (push+pull against
    the raw gRPC ceilings, CPU time per process).
 
@@ -66,9 +67,9 @@ def steps(out: Path, wheels: Path | None, smoke: bool) -> list[tuple[str, list[s
     plan.append(("gpu_tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", *GPU_TESTS]))
     gpu = [py, "benchmarks/gpu.py", "--json", str(out / "gpu.json")]
     wire = [py, "benchmarks/wire.py", "--json", str(out / "wire.json")]
+    gpu += ["--shards", "2", "--streamed", "on,off"]  # 4 shards changed nothing on the H200; both round kinds
     if smoke:
-        gpu += ["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--workloads", "mlp:4", "--shards", "2",
-                "--wire", "fp32"]
+        gpu += ["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--workloads", "mlp:4", "--wire", "fp32"]
         wire += ["--repeats", "1", "--channels", "1"]
     else:
         gpu += ["--repeats", "2"]

@@ -32,7 +32,14 @@ def test_gpu_session_runs_every_step_at_smoke_sizes(tmp_path: Path) -> None:
     assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in session["steps"]), session["steps"]
     assert session["device"]["torch"] and session["device"]["device"] in ("cpu", session["device"]["device"])
     gpu = json.loads((out / "gpu.json").read_text())
-    assert {r["system"] for r in gpu["rows"]} >= {"torch", "shardps_2"}
+    rows = {r["system"]: r for r in gpu["rows"]}
+    assert set(rows) == {"torch", "torch_cpu_adamw", "shardps_2", "shardps_2_plain"}
+    assert rows["shardps_2"]["streamed"] is True and rows["shardps_2_plain"]["streamed"] is False
+    for name in ("shardps_2", "shardps_2_plain"):  # sync, one worker: the exact oracle's final loss either way
+        assert rows[name]["shards"] == 2 and rows[name]["push_dtype"] == "fp32"
+        assert rows[name]["final_loss_abs_diff_vs_cpu_adamw"] < 1e-5, rows[name]
+    # push then pull: each shard answers only after its whole push (and the update) is in
+    assert rows["shardps_2_plain"]["phases_ms"]["round_wait"] > 0
     wire = json.loads((out / "wire.json").read_text())
     assert wire["shardps_gbps"] > 0 and wire["cpu_seconds_per_round"]["shardps"]["client"] > 0
     tests_log = (out / "gpu_tests.log").read_text()
