@@ -44,12 +44,22 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: What shardps needs besides torch at run time and for its GPU tests (the host brings torch and CUDA).
-WHEELS = ("grpcio", "grpcio-health-checking", "protobuf", "safetensors", "prometheus-client", "numpy",
-          "pytest", "pytest-timeout")
+def _requirements() -> tuple[str, ...]:
+    """shardps' dependencies as pyproject.toml states them, torch left out (a GPU host brings its CUDA build), and
+    what its GPU tests need: pip installs or upgrades only what the host does not already satisfy."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = [r for r in project["dependencies"] if not r.replace(" ", "").startswith("torch")]
+    tests = [r for r in project["optional-dependencies"]["dev"] if r.split(">")[0].split("=")[0] in
+             ("pytest", "pytest-timeout")]
+    return (*runtime, *tests)
+
+
+#: What shardps needs besides torch at run time and for its GPU tests.
+WHEELS = _requirements()
 #: The tests a GPU host runs: the CUDA data plane and the node reduction over NCCL.
 GPU_TESTS = ("tests/integration/test_cuda_data_plane.py", "tests/integration/test_node_reduction.py")
 #: Seconds kept back for each later step when a step's time limit is set.

@@ -82,3 +82,16 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
                            str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--wheels" in proc.stderr and "no such folder" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_the_wheels_are_the_projects_requirements_without_torch() -> None:
+    """What a GPU host is given: pyproject.toml's runtime requirements (torch left to the host's CUDA build) and the
+    test runner, with their version ranges, so that pip upgrades what the host has too old and nothing else."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import gpu_session; "
+            "print(json.dumps(gpu_session.WHEELS))")
+    wheels = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                       cwd=REPO, check=True).stdout)
+    names = {w.split(">")[0].split("<")[0].split("=")[0] for w in wheels}
+    assert "torch" not in names
+    assert {"grpcio", "protobuf", "grpcio-health-checking", "safetensors", "pytest", "pytest-timeout"} <= names
+    assert any(w.startswith("protobuf>=") for w in wheels), wheels
