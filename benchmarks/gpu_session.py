@@ -48,6 +48,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
 def _requirements() -> tuple[str, ...]:
     """shardps' dependencies as pyproject.toml states them, torch left out (a GPU host brings its CUDA build), and
     what its GPU tests need: pip installs or upgrades only what the host does not already satisfy."""
@@ -186,6 +188,8 @@ def main() -> None:
     if args.what == "run":
         if args.wheels is not None and not args.wheels.is_dir():
             p.error(f"--wheels {args.wheels}: no such folder (make it with `prepare`)")
+        if args.wheels is not None and not any(args.wheels.glob("shardps-*.whl")):
+            p.error(f"--wheels {args.wheels}: holds no shardps wheel (make the folder with `prepare`)")
         if args.budget_seconds <= 0:
             p.error(f"--budget-seconds must be > 0, got {args.budget_seconds}")
         sys.exit(run(args.out, args.wheels, args.budget_seconds, args.smoke))

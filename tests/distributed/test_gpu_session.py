@@ -81,6 +81,10 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path / "o"), "--wheels",
                            str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--wheels" in proc.stderr and "no such folder" in proc.stderr
+    (tmp_path / "empty").mkdir()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(tmp_path / "o"), "--wheels",
+                           str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no shardps wheel" in proc.stderr, proc.stderr
     assert not (tmp_path / "o").exists()
 
 
