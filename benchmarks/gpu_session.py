@@ -105,7 +105,7 @@ def run(out: Path, wheels: Path | None, budget: float, smoke: bool) -> int:
     """Run every step within ``budget`` seconds; returns 0 when each exited 0, else 1."""
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget
-    session = {"host": platform.node(), "cores": _cores(), "smoke": smoke, "budget_seconds": budget,
+    session = {"host": platform.node(), "cpu_count": os.cpu_count(), "smoke": smoke, "budget_seconds": budget,
                "device": None, "steps": []}
     plan = steps(out, wheels, smoke)
     for i, (name, command) in enumerate(plan):
@@ -166,10 +166,6 @@ def prepare(wheels: Path, python_version: str) -> int:
         if subprocess.run(command).returncode != 0:
             return 1
     return 0
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main() -> None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import tempfile
 import time
@@ -157,8 +156,10 @@ def _optimizer_tensors(opt) -> list:
 
 
 def cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """CPU cores this process may use (its CPU affinity, capped by its cgroup's quota), as a shard counts them."""
+    from shardps.server.config import usable_cores
+
+    return usable_cores()
 
 
 def _shards_cpu(shard_pids: list[int]) -> float | None:

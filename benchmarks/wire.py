@@ -46,7 +46,6 @@ total CPU time over the cores, whatever it overlaps.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import sys
@@ -62,13 +61,14 @@ from common import cpu_seconds, emit, parser, table  # noqa: E402
 
 from shardps.common.memory import retain_freed_memory  # noqa: E402
 from shardps.common.transport import channel_options  # noqa: E402
+from shardps.server.config import usable_cores  # noqa: E402
 from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions  # noqa: E402
 
 MODEL_BYTES = 64 << 20
 #: shardps push+pull per worker process must reach this fraction of the best multi-channel raw-gRPC ceiling.
 GOAL = 0.9
-#: The cores this run's processes may use (its CPU affinity).
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+#: The cores this run's processes may use (CPU affinity and cgroup quota, as a shard counts them).
+CORES = usable_cores()
 
 
 def _grpc_sink(conn) -> None:
