@@ -157,7 +157,7 @@ def _optimizer_tensors(opt) -> list:
 
 def cores() -> int:
     """CPU cores this process may use (its CPU affinity, capped by its cgroup's quota), as a shard counts them."""
-    from shardps.server.config import usable_cores
+    from shardps.common.cores import usable_cores
 
     return usable_cores()
 

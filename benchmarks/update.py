@@ -36,7 +36,7 @@ from common import emit, parser, table  # noqa: E402
 
 from shardps.common.optim import optimizer_spec  # noqa: E402
 from shardps.common.plan import KeyInfo, PartitionPlan  # noqa: E402
-from shardps.server.config import usable_cores  # noqa: E402
+from shardps.common.cores import usable_cores  # noqa: E402
 from shardps.server.dense import bounds  # noqa: E402
 from shardps.server.dense.chunks import ChunkTable  # noqa: E402
 from shardps.server.dense.optimizer import ShardOptimizer  # noqa: E402

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardps.common.cores import usable_cores
+
 log = logging.getLogger(__name__)
 
 
@@ -29,6 +31,13 @@ class LocalCluster:
         min_workers: passed to every shard (rounds wait for this many workers).
         host: interface to bind.
         extra_args: more ``shardps-server`` flags for every shard.
+        threads: torch threads of each shard's optimizer step (``shardps-server --threads``). None (the
+            default): the cores this process may use (:func:`~shardps.common.cores.usable_cores`) split
+            evenly among the shards and this process, at least 1 each; a ``--threads`` in ``extra_args``
+            wins. The shards share this host with the worker: a shard pod's own default (every usable core)
+            would start ``num_shards`` x cores OpenMP threads that spin between the optimizer's kernels on
+            the cores the worker's forward, backward and gRPC threads need (torchrun, for the same reason,
+            starts several local processes with ``OMP_NUM_THREADS=1``).
         start_timeout: seconds to wait for every shard to print its address.
 
     Attributes:
@@ -53,10 +62,16 @@ class LocalCluster:
         min_workers: int = 1,
         host: str = "127.0.0.1",
         extra_args: tuple[str, ...] = (),
+        threads: int | None = None,
         start_timeout: float = 60.0,
     ) -> None:
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None: the usable cores split among the shards), got {threads}")
+        if threads is None:
+            threads = max(1, usable_cores() // (num_shards + 1))
+        self.threads = threads
         self.num_shards, self.min_workers, self.host = num_shards, min_workers, host
         self.extra_args, self.start_timeout = tuple(extra_args), start_timeout
         self.addresses: list[str] = []
@@ -87,7 +102,8 @@ class LocalCluster:
     def shard_args(self, shard: int, port: int = 0) -> list[str]:
         """The ``shardps-server`` arguments of shard ``shard`` listening on ``port`` (0: a free one)."""
         return ["--host", self.host, "--port", str(port), "--shard-index", str(shard),
-                "--num-shards", str(self.num_shards), "--min-workers", str(self.min_workers), *self.extra_args]
+                "--num-shards", str(self.num_shards), "--min-workers", str(self.min_workers),
+                "--threads", str(self.threads), *self.extra_args]  # (a --threads in extra_args comes last: it wins)
 
     def _spawn(self, shard: int, port: int = 0) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "shardps.cli.server", *self.shard_args(shard, port)]

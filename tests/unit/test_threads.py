@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from shardps.cli.server import parse_args
-from shardps.server.config import ShardConfig, usable_cores
+from shardps.common.cores import usable_cores
+from shardps.server.config import ShardConfig
 
 CORES = {0, 1, 2, 3, 4, 5, 6, 7}
 
@@ -68,3 +69,19 @@ def test_shard_config_and_flag() -> None:
     assert parse_args([*base, "--threads", "5"]).threads == 5
     with pytest.raises(SystemExit):
         parse_args([*base, "--threads", "-1"])
+
+
+def test_local_cluster_splits_the_cores_among_its_shards() -> None:
+    """Shards started next to the worker get the usable cores split among them and the worker, at least 1 each;
+    the argument list is read back by the shard's own parser."""
+    from shardps.worker import LocalCluster
+
+    def base_of(cluster: LocalCluster) -> int:
+        return parse_args(cluster.shard_args(0)).threads
+
+    for shards in (1, 2, 4):
+        assert base_of(LocalCluster(shards)) == max(1, usable_cores() // (shards + 1))
+    assert base_of(LocalCluster(2, threads=3)) == 3
+    assert base_of(LocalCluster(2, threads=3, extra_args=("--threads", "7"))) == 7  # the caller's flag wins
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        LocalCluster(2, threads=0)
