@@ -3,6 +3,7 @@
     python benchmarks/gpu.py [--json PATH] [--device auto|cuda|cpu] [--steps N] [--warmup N]
                              [--workloads transformer:32,transformer:256,mlp:64] [--shards 2,4]
                              [--wire fp32,bf16] [--streamed on|off|on,off] [--repeats 1]
+                             [--stream-processes off|on|off,on] [--shard-threads N]
                              [--switch-interval SECONDS]
 
 One worker process (this one) trains on the device; its shards are
@@ -32,6 +33,13 @@ forward waits for all of it, while the push and the pull share the links;
 an unstreamed round's reach the model layer by layer as they arrive, and
 each layer's forward waits for its own. Which is faster where the links do
 not bind is what these rows measure.
+
+``--stream-processes off,on`` also runs every shardps row with each
+shard's PushPull streams carried by a helper process
+(``WireOptions(stream_processes=True)``, rows named ``..._procs``): gRPC's
+copies and per-message work leave this process's GIL, beside the training
+loop. ``--shard-threads N`` sets each shard's optimizer threads (default:
+``LocalCluster``'s split of the cores among the shards and this process).
 
 Figures per row: samples/s over the timed steps (all but the first
 ``--warmup``), its ratio to plain PyTorch's, the final loss (a fixed
@@ -250,11 +258,13 @@ def reset_shards(addresses: list[str]) -> None:
 
 
 def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device: torch.device, sync,
-                addresses: list[str], chunk_bytes: int, push_dtype: str = "fp32", streamed: bool = True) -> dict:
+                addresses: list[str], chunk_bytes: int, push_dtype: str = "fp32", streamed: bool = True,
+                stream_processes: bool = False) -> dict:
     """One shardps worker on ``device`` with the idle shards at ``addresses``; samples/s, final loss, phases.
 
     ``push_dtype``: the gradients' wire type (``WireOptions.push_dtype``); ``streamed``: ``WireOptions.streamed``
-    (False: the whole push, then the whole pull, each layer's parameters copied in as they arrive)."""
+    (False: the whole push, then the whole pull, each layer's parameters copied in as they arrive);
+    ``stream_processes``: ``WireOptions.stream_processes`` (each shard's streams through a helper process)."""
     from shardps.worker import DistributedOptimizer, WireOptions
 
     model = make_model(kind, s, device)
@@ -264,7 +274,7 @@ def run_shardps(kind: str, s: Sizes, rows: int, steps: int, warmup: int, device:
         dist = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
                                     model.named_parameters(), servers=addresses, model=model,
                                     wire=WireOptions(chunk_bytes=chunk_bytes, push_dtype=push_dtype,
-                                                     streamed=streamed))
+                                                     streamed=streamed, stream_processes=stream_processes))
         registry = dist.metrics.registry
         marks, before = [], None
         sync()
@@ -379,10 +389,17 @@ def main() -> None:
     p.add_argument("--streamed", default="on",
                    help="on, off or on,off: shardps rows with streamed rounds (the default), push then pull "
                         "(WireOptions(streamed=False): rows named ..._plain), or both")
+    p.add_argument("--stream-processes", default="off",
+                   help="off, on or off,on: shardps rows with each shard's streams in this process (the default), "
+                        "through a helper process per shard (WireOptions(stream_processes=True): rows named "
+                        "..._procs), or both")
     p.add_argument("--repeats", type=int, default=1, help="runs of every row, interleaved; figures are medians")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="shardps chunk size in bytes (default 4 MiB)")
     p.add_argument("--tiny", action="store_true", help="tiny models (CI's smoke test)")
+    p.add_argument("--shard-threads", type=int, default=0,
+                   help="torch threads of each shard's optimizer step (shardps-server --threads; default 0: "
+                        "LocalCluster's, the usable cores split evenly among the shards and this process)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval for this process, seconds (Python's default: 0.005)")
     args = p.parse_args()
@@ -392,6 +409,8 @@ def main() -> None:
     cuda = device.type == "cuda"
     steps = args.steps or (30 if cuda else 6)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    if args.shard_threads < 0:
+        p.error("--shard-threads must be >= 0 (0: the shard's own default)")
     if not 0 <= warmup < steps:
         p.error("--warmup must be >= 0 and below --steps")
     workloads = []
@@ -413,18 +432,23 @@ def main() -> None:
     modes = args.streamed.split(",")
     if not modes or any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
         p.error(f"bad --streamed {args.streamed!r}: on, off or on,off")
+    relays = args.stream_processes.split(",")
+    if not relays or any(m not in ("on", "off") for m in relays) or len(set(relays)) != len(relays):
+        p.error(f"bad --stream-processes {args.stream_processes!r}: off, on or off,on")
     systems = ["torch", "torch_cpu_adamw",
                *[f"shardps_{n}" + ("" if w == "fp32" else f"_{w}") + ("" if m == "on" else "_plain")
-                 for n in shard_counts for w in wires for m in modes]]
+                 + ("_procs" if r == "on" else "") for n in shard_counts for w in wires for m in modes for r in relays]]
     rows_out = []
     from shardps.worker import LocalCluster
 
     with contextlib.ExitStack() as stack:
-        clusters = {n: stack.enter_context(LocalCluster(n)).addresses for n in shard_counts}
+        started = {n: stack.enter_context(LocalCluster(n, threads=args.shard_threads or None)) for n in shard_counts}
+        clusters = {n: cluster.addresses for n, cluster in started.items()}
         rows_out = measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, args)
     print_tables(rows_out)
     emit({"device": device.type, "device_name": name, "cuda_available": torch.cuda.is_available(),
-          "torch_threads": args.threads, "switch_interval_s": sys.getswitchinterval(),
+          "torch_threads": args.threads, "shard_threads": {n: c.threads for n, c in started.items()},
+          "switch_interval_s": sys.getswitchinterval(),
           "steps": steps, "warmup": warmup, "timed_steps": steps - warmup,
           "repeats": args.repeats, "chunk_bytes": args.chunk_bytes, "tiny": args.tiny,
           "sizes": dataclasses.asdict(sizes), "rows": rows_out}, args.json)
@@ -443,16 +467,17 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
                     runs[system].append(run_torch(kind, sizes, rows, steps, warmup, device, sync,
                                                   optimizer_on_cpu=system == "torch_cpu_adamw"))
                 else:
-                    n, push_dtype, streamed = shardps_system(system)
+                    n, push_dtype, streamed, procs = shardps_system(system)
                     runs[system].append(run_shardps(kind, sizes, rows, steps, warmup, device, sync,
-                                                    clusters[n], args.chunk_bytes, push_dtype, streamed))
+                                                    clusters[n], args.chunk_bytes, push_dtype, streamed, procs))
         base, oracle = _median_rows(runs["torch"]), _median_rows(runs["torch_cpu_adamw"])
         for system in systems:
             r = base if system == "torch" else _median_rows(runs[system])
-            shards, push_dtype, streamed = shardps_system(system) if system.startswith("shardps") else (0, "fp32", None)
+            shards, push_dtype, streamed, procs = (shardps_system(system) if system.startswith("shardps")
+                                                   else (0, "fp32", None, None))
             rows_out.append({
                 "workload": kind, "samples_per_step": rows, "params": params, "system": system,
-                "shards": shards, "push_dtype": push_dtype, "streamed": streamed, **r,
+                "shards": shards, "push_dtype": push_dtype, "streamed": streamed, "stream_processes": procs, **r,
                 "ratio_samples_per_s_vs_torch": r["samples_per_s"] / base["samples_per_s"],
                 "final_loss_abs_diff": abs(r["final_loss"] - base["final_loss"]),
                 # the exact oracle: the same AdamW on the CPU, as the shards run it
@@ -461,11 +486,14 @@ def measure(workloads, systems, clusters, sizes, steps, warmup, device, sync, ar
     return rows_out
 
 
-def shardps_system(system: str) -> tuple[int, str, bool]:
-    """``(shards, push dtype, streamed)`` of a shardps row's name: ``shardps_<shards>[_<dtype>][_plain]``."""
+def shardps_system(system: str) -> tuple[int, str, bool, bool]:
+    """``(shards, push dtype, streamed, stream processes)`` of a shardps row's name:
+    ``shardps_<shards>[_<dtype>][_plain][_procs]``."""
     _, n, *rest = system.split("_")
+    procs = rest[-1:] == ["procs"]
+    rest = rest[:-1] if procs else rest
     streamed = rest[-1:] != ["plain"]
-    return int(n), (rest[:1] if rest and rest[0] != "plain" else ["fp32"])[0], streamed
+    return int(n), (rest[:1] if rest and rest[0] != "plain" else ["fp32"])[0], streamed, procs
 
 
 def print_tables(rows_out: list[dict]) -> None:

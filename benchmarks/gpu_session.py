@@ -20,8 +20,17 @@ itself there.
 3. ``gpu``: ``benchmarks/gpu.py --shards 2 --streamed on,off --repeats 2
    --json OUT/gpu.json`` (shardps against plain single-GPU PyTorch, where
    each step's time goes, streamed rounds and push then pull);
-4. ``wire``: ``benchmarks/wire.py --json OUT/wire.json`` (push+pull against
-   the raw gRPC ceilings, CPU time per process).
+4. ``gpu_stream_processes``: the transformer rows again (32 and 256
+   sequences, fp32 and bf16 gradients) with each shard's streams carried
+   by a helper process (``--stream-processes on``, rows ``..._procs``,
+   ``OUT/gpu_stream_processes.json``; plain PyTorch rerun beside them);
+5. ``gpu_shard_cores``: the 256-sequence transformer rows again, fp32, with
+   each shard's optimizer on every core the host has (``--shard-threads``,
+   a shard pod's default) instead of ``LocalCluster``'s split of the cores
+   among the shards and the worker (``OUT/gpu_shard_cores.json``): whether
+   the shards' OpenMP threads slowed the worker's backward on the H200;
+6. ``wire``: ``benchmarks/wire.py --json OUT/wire.json`` (push+pull against
+   the raw gRPC ceilings, CPU time per process, stream processes too).
 
 Each step gets what is left of ``--budget-seconds`` (default 540, under
 the 10 minutes one device call may run) less a reserve for the steps after
@@ -65,7 +74,7 @@ WHEELS = _requirements()
 #: The tests a GPU host runs: the CUDA data plane and the node reduction over NCCL.
 GPU_TESTS = ("tests/integration/test_cuda_data_plane.py", "tests/integration/test_node_reduction.py")
 #: Seconds kept back for each later step when a step's time limit is set.
-RESERVE = {"install": 5, "gpu_tests": 60, "gpu": 120, "wire": 60}
+RESERVE = {"install": 5, "gpu_tests": 60, "gpu": 120, "gpu_stream_processes": 60, "gpu_shard_cores": 40, "wire": 60}
 
 
 def steps(out: Path, wheels: Path | None, smoke: bool) -> list[tuple[str, list[str]]]:
@@ -80,12 +89,23 @@ def steps(out: Path, wheels: Path | None, smoke: bool) -> list[tuple[str, list[s
     gpu = [py, "benchmarks/gpu.py", "--json", str(out / "gpu.json")]
     wire = [py, "benchmarks/wire.py", "--json", str(out / "wire.json")]
     gpu += ["--shards", "2", "--streamed", "on,off"]  # 4 shards changed nothing on the H200; both round kinds
+    # the same shards at a shard pod's default, every usable core each (gpu.py's LocalCluster splits the cores)
+    cores = [py, "benchmarks/gpu.py", "--json", str(out / "gpu_shard_cores.json"), "--shards", "2",
+             "--streamed", "on,off", "--shard-threads", str(len(os.sched_getaffinity(0)))]
+    # the same shards with each one's streams through a helper process (WireOptions(stream_processes=True))
+    procs = [py, "benchmarks/gpu.py", "--json", str(out / "gpu_stream_processes.json"), "--shards", "2",
+             "--streamed", "on,off", "--stream-processes", "on"]
     if smoke:
-        gpu += ["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--workloads", "mlp:4", "--wire", "fp32"]
+        tiny = ["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--workloads", "mlp:4", "--wire", "fp32"]
+        gpu += tiny
+        cores += tiny
+        procs += tiny
         wire += ["--repeats", "1", "--channels", "1"]
     else:
         gpu += ["--repeats", "2"]
-    plan += [("gpu", gpu), ("wire", wire)]
+        cores += ["--repeats", "2", "--workloads", "transformer:256", "--wire", "fp32"]
+        procs += ["--repeats", "2", "--workloads", "transformer:32,transformer:256", "--wire", "fp32,bf16"]
+    plan += [("gpu", gpu), ("gpu_stream_processes", procs), ("gpu_shard_cores", cores), ("wire", wire)]
     return plan
 
 

@@ -30,7 +30,11 @@ TCP, ...) so that they see the same machine; each figure is the median of
 of its own, the same round unstreamed (``WireOptions(streamed=False)``:
 the whole push, then the whole pull; the goal is judged on the default,
 streamed); where the CPUs, not the links, bind, it does less work per
-round (no undo copies, one apply). bf16 on the wire is measured after,
+round (no undo copies, one apply); and, on 2 more shards, the default
+round with each shard's streams carried by a helper process of the
+worker's (``WireOptions(stream_processes=True)``; the helpers' CPU time is
+charged with the shards', and reported apart as ``stream_processes``).
+bf16 on the wire is measured after,
 on fresh shards. Every process of the run keeps freed buffers for reuse
 (``shardps.common.memory``, as workers and shards do by default), and the
 gradients are made once, as the ceilings' payload is: what is timed is the
@@ -61,7 +65,7 @@ from common import cpu_seconds, emit, parser, table  # noqa: E402
 
 from shardps.common.memory import retain_freed_memory  # noqa: E402
 from shardps.common.transport import channel_options  # noqa: E402
-from shardps.server.config import usable_cores  # noqa: E402
+from shardps.common.cores import usable_cores  # noqa: E402
 from shardps.worker import DistributedOptimizer, LocalCluster, WireOptions  # noqa: E402
 
 MODEL_BYTES = 64 << 20
@@ -196,13 +200,14 @@ def tcp_sender(port: int, payload) -> callable:
     return send
 
 
-def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtype: str, streamed: bool = True):
+def shardps_rounds(cluster: LocalCluster, chunk: int, push_dtype: str, pull_dtype: str, streamed: bool = True,
+                   stream_processes: bool = False):
     """A DistributedOptimizer over a 64 MiB model and a function running one sync round trip."""
     params = [torch.nn.Parameter(torch.randn(MODEL_BYTES // 16)) for _ in range(4)]
     named = [(f"layer{i}.weight", p) for i, p in enumerate(params)]
     dist = DistributedOptimizer(torch.optim.SGD(params, lr=1e-6), named, servers=cluster.addresses,
                                 wire=WireOptions(chunk_bytes=chunk, push_dtype=push_dtype, pull_dtype=pull_dtype,
-                                                 streamed=streamed))
+                                                 streamed=streamed, stream_processes=stream_processes))
 
     grads = [torch.ones_like(p) for p in params]  # made once: the ceilings' payloads are made before timing too
 
@@ -246,7 +251,7 @@ def main() -> None:
     payload = torch.randn(MODEL_BYTES // 4).view(torch.uint8).numpy()
     sinks = [_Sink("grpc"), _Sink("tcp"), _Sink("grpc")]
     try:
-        with LocalCluster(2) as cluster, LocalCluster(2) as plain_cluster:
+        with LocalCluster(2) as cluster, LocalCluster(2) as plain_cluster, LocalCluster(2) as relay_cluster:
             senders = {"tcp": tcp_sender(sinks[1].port, payload)}
             for n in counts:  # "grpc" is the single stream; "grpc_N" N channels at once
                 senders["grpc" if n == 1 else f"grpc_{n}"] = grpc_sender(sinks[0].port, args.chunk_bytes, payload, n)
@@ -255,11 +260,17 @@ def main() -> None:
             dist, senders["shardps"] = shardps_rounds(cluster, args.chunk_bytes, "fp32", "fp32")
             plain, senders["shardps_plain"] = shardps_rounds(plain_cluster, args.chunk_bytes, "fp32", "fp32",
                                                              streamed=False)
+            relay, senders["shardps_procs"] = shardps_rounds(relay_cluster, args.chunk_bytes, "fp32", "fp32",
+                                                             stream_processes=True)
+            senders["shardps_procs"]()  # its stream processes start with the first round
+            helpers = [client.relay.proc.pid for client in relay._clients]
             # the server processes each sender talks to, whose CPU time its calls are charged with
             servers = {name: [sinks[1].proc.pid] if name == "tcp" else
                        [sinks[0].proc.pid, sinks[2].proc.pid] if name.startswith("echo_") else
                        [p.pid for p in cluster.processes] if name == "shardps" else
-                       [p.pid for p in plain_cluster.processes] if name == "shardps_plain" else [sinks[0].proc.pid]
+                       [p.pid for p in plain_cluster.processes] if name == "shardps_plain" else
+                       [*(p.pid for p in relay_cluster.processes), *helpers] if name == "shardps_procs" else
+                       [sinks[0].proc.pid]
                        for name in senders}
             times: dict[str, list[float]] = {k: [] for k in senders}
             cpu: dict[str, list[list[float]]] = {k: [] for k in senders}  # per call: [this process, servers...]
@@ -271,6 +282,7 @@ def main() -> None:
                     cpu[name].append([None if None in (a, b) else a - b for a, b in zip(after, before)])
             dist.close()
             plain.close()
+            relay.close()
             for fn in senders.values():
                 getattr(fn, "close", lambda: None)()  # before the sink stops: no GOAWAY noise
         with LocalCluster(2) as cluster:
@@ -283,6 +295,7 @@ def main() -> None:
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     ours = 2 * MODEL_BYTES / med["shardps"] / 1e9
     plain_gbps = 2 * MODEL_BYTES / med["shardps_plain"] / 1e9
+    procs_gbps = 2 * MODEL_BYTES / med["shardps_procs"] / 1e9
     ceiling = MODEL_BYTES / med["grpc"] / 1e9
     tcp = MODEL_BYTES / med["tcp"] / 1e9
     bf16_gbps = 2 * MODEL_BYTES / statistics.median(bf16_times[1:]) / 1e9
@@ -305,6 +318,8 @@ def main() -> None:
         for r in range(1, args.repeats + 1)
     )
     cpu_per_round = {name: cpu_accounting(cpu[name][1:], times[name][1:]) for name in senders}
+    if cpu_per_round["shardps_procs"] is not None:  # its last "servers" are the worker's own stream processes
+        cpu_per_round["shardps_procs"]["stream_processes"] = sum(cpu_per_round["shardps_procs"]["servers"][-2:])
     goal_round = 2 * MODEL_BYTES / (GOAL * multi * 1e9)  # seconds a round may take at the goal
     result = {
         "model_bytes": MODEL_BYTES,
@@ -328,6 +343,8 @@ def main() -> None:
                  # the most CPU a round may cost at the goal, every core busy all the time
                  "cpu_seconds_per_round_at_goal_all_cores": goal_round * CORES},
         "ratio_push_then_pull_to_grpc_multi_channel": plain_gbps / multi,
+        "shardps_stream_processes_gbps": procs_gbps,
+        "ratio_stream_processes_to_grpc_multi_channel": procs_gbps / multi,
         "grpc_push_pull_channels_gbps": {str(n): g for n, g in echo_gbps.items()},
         "grpc_push_pull_ceiling_gbps": echo_gbps[echo_best],
         "grpc_push_pull_ceiling_channels": echo_best,
@@ -335,17 +352,21 @@ def main() -> None:
         "ratio_to_grpc_push_pull_paired_median": echo_pair,
         "round_seconds": times["shardps"][1:],
         "push_then_pull_round_seconds": times["shardps_plain"][1:],
+        "stream_processes_round_seconds": times["shardps_procs"][1:],
         "grpc_seconds": times["grpc"][1:],
         "grpc_channels_seconds": {str(n): times["grpc" if n == 1 else f"grpc_{n}"][1:] for n in counts},
         "grpc_push_pull_seconds": {str(n): times[f"echo_{n}"][1:] for n in counts},
         "cpu_seconds_per_round": cpu_per_round,
         "cores": CORES,
+        "shard_threads": cluster.threads,  # each shard's optimizer threads (LocalCluster: the cores split)
     }
     print(table(
         [
             ["shardps sync push+pull (2 shards)", f"{ours:.2f}", f"{ours / ceiling:.2f}"],
             ["shardps, bf16 on the wire (fp32-equivalent)", f"{bf16_gbps:.2f}", f"{bf16_gbps / ceiling:.2f}"],
             ["shardps sync, push then pull (streamed=False)", f"{plain_gbps:.2f}", f"{plain_gbps / ceiling:.2f}"],
+            ["shardps sync, stream processes (stream_processes=True)", f"{procs_gbps:.2f}",
+             f"{procs_gbps / ceiling:.2f}"],
             ["raw-bytes gRPC client stream", f"{ceiling:.2f}", "1.00"],
             *[[f"raw-bytes gRPC, {n} channels at once", f"{g:.2f}", f"{g / ceiling:.2f}"]
               for n, g in channel_gbps.items() if n > 1],
@@ -356,13 +377,14 @@ def main() -> None:
         [f"64 MiB fp32 model, {args.chunk_bytes >> 10} KiB chunks", "GB/s", "x gRPC"],
     ))
     grpc_best = "grpc" if best == 1 else f"grpc_{best}"
-    accounted = all(cpu_per_round[name] is not None for name in ("shardps", "shardps_plain", grpc_best,
-                                                                   f"echo_{echo_best}"))
+    accounted = all(cpu_per_round[name] is not None
+                    for name in ("shardps", "shardps_plain", "shardps_procs", grpc_best, f"echo_{echo_best}"))
     print(table(
         [[label, *(f"{1e3 * cpu_per_round[name][k]:.1f}" for k in ("client", "servers_total", "total", "wall")),
           f"{cpu_per_round[name]['cores_busy']:.2f}"]
          for label, name in (("shardps sync push+pull (streamed)", "shardps"),
                              ("shardps push then pull (streamed=False)", "shardps_plain"),
+                             ("shardps, stream processes (servers + 2 helpers)", "shardps_procs"),
                              (f"raw-bytes gRPC, {best} channel(s) (one way)", grpc_best),
                              (f"raw-bytes gRPC push+pull, {echo_best} stream(s)", f"echo_{echo_best}"))],
         ["CPU per round, ms", "this process", "servers", "total", "wall", f"cores busy (of {CORES})"],

@@ -150,6 +150,14 @@ class WireOptions:
             ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
             ``MALLOC_ARENA_MAX``, ``GLIBC_TUNABLES`` is set; False: malloc is
             left as it is.
+        stream_processes: carry each shard's push/pull streams (the PushPull
+            call of every round) through a helper process of its own
+            (``shardps.worker.session.relay``): gRPC's copies and its
+            per-message work leave this process's GIL, and this process
+            moves each frame with two socket copies. For a host with cores to
+            spare beside the training loop (a GPU host); where every core is
+            busy it costs more CPU in all. Default False. The frames, checks,
+            errors and results are the same either way.
 
     Raises:
         ValueError: a chunk that does not fit in a message, an unknown wire type,
@@ -168,6 +176,7 @@ class WireOptions:
     streamed: bool = True
     push_credit_bytes: int = 0
     retain_freed_memory: bool = True
+    stream_processes: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.chunk_bytes) or self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes % MASTER_ITEMSIZE:
@@ -185,7 +194,7 @@ class WireOptions:
                 wire_dtype(getattr(self, name))
             except (ValueError, TypeError) as exc:  # TypeError: an unhashable value
                 raise ValueError(f"{name}: {exc}") from None
-        for name in ("checksum", "streamed", "retain_freed_memory"):
+        for name in ("checksum", "streamed", "retain_freed_memory", "stream_processes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_int(self.push_credit_bytes) or self.push_credit_bytes < 0:

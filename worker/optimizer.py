@@ -259,9 +259,8 @@ class DistributedOptimizer(RoundSteps, JobView):
             self._clients = list(self._pool.map(
                 lambda ia: ShardClient(ia[1], index=ia[0], rpc_timeout=wire.rpc_timeout,
                                        connect_timeout=wire.connect_timeout, max_message_bytes=wire.max_message_bytes,
-                                       retry=policy, security=wire.security),
-                enumerate(servers),
-            ))
+                                       retry=policy, security=wire.security, stream_process=wire.stream_processes),
+                enumerate(servers)))
             join = JoinPlan(worker_id=self.worker_id, session=self.session, plan=self.plan.to_proto(),
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
                             static_digest=static_digest(named_map, outside), patience=wire.connect_timeout,

@@ -11,6 +11,7 @@ call's limit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_session.py"
+#: The steps of ``run`` without ``--wheels``, in order.
+STEPS = ["gpu_tests", "gpu", "gpu_stream_processes", "gpu_shard_cores", "wire"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(460)
 def test_gpu_session_runs_every_step_at_smoke_sizes(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(out), "--smoke", "--budget-seconds", "280"],
-                          capture_output=True, text=True, timeout=290, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--out", str(out), "--smoke", "--budget-seconds", "420"],
+                          capture_output=True, text=True, timeout=440, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     session = json.loads((out / "session.json").read_text())
-    assert [s["name"] for s in session["steps"]] == ["gpu_tests", "gpu", "wire"]
+    assert [s["name"] for s in session["steps"]] == STEPS
     assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in session["steps"]), session["steps"]
     assert session["device"]["torch"] and session["device"]["device"] in ("cpu", session["device"]["device"])
     gpu = json.loads((out / "gpu.json").read_text())
@@ -40,6 +43,15 @@ def test_gpu_session_runs_every_step_at_smoke_sizes(tmp_path: Path) -> None:
         assert rows[name]["final_loss_abs_diff_vs_cpu_adamw"] < 1e-5, rows[name]
     # push then pull: each shard answers only after its whole push (and the update) is in
     assert rows["shardps_2_plain"]["phases_ms"]["round_wait"] > 0
+    cores = json.loads((out / "gpu_shard_cores.json").read_text())
+    split = gpu["shard_threads"]["2"]  # LocalCluster's default: the usable cores split among 2 shards and the worker
+    assert cores["shard_threads"]["2"] == len(os.sched_getaffinity(0)) >= split >= 1
+    assert {r["system"] for r in cores["rows"]} == set(rows)
+    relayed = {r["system"]: r for r in json.loads((out / "gpu_stream_processes.json").read_text())["rows"]}
+    assert set(relayed) == {"torch", "torch_cpu_adamw", "shardps_2_procs", "shardps_2_plain_procs"}
+    for name in ("shardps_2_procs", "shardps_2_plain_procs"):  # the same exact oracle through the helpers
+        assert relayed[name]["stream_processes"] is True, relayed[name]
+        assert relayed[name]["final_loss_abs_diff_vs_cpu_adamw"] < 1e-5, relayed[name]
     wire = json.loads((out / "wire.json").read_text())
     assert wire["shardps_gbps"] > 0 and wire["cpu_seconds_per_round"]["shardps"]["client"] > 0
     tests_log = (out / "gpu_tests.log").read_text()
@@ -54,13 +66,13 @@ def test_a_budget_too_small_skips_the_later_steps_and_fails(tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:]
     steps = json.loads((out / "session.json").read_text())["steps"]
-    assert [s["name"] for s in steps] == ["gpu_tests", "gpu", "wire"]
+    assert [s["name"] for s in steps] == STEPS
     skipped = [s for s in steps if s.get("skipped")]
-    assert [s["name"] for s in skipped] == ["gpu_tests", "gpu"] and all(s["returncode"] is None for s in skipped)
+    assert [s["name"] for s in skipped] == STEPS[:-1] and all(s["returncode"] is None for s in skipped)
     # the last step had the budget's rest: a wire run that does not fit in it is killed with every shard it started
     wire = steps[-1]
     assert wire["limit_seconds"] <= 12 and (wire["returncode"] == 0 or wire.get("killed") or wire.get("skipped"))
-    assert "skipped: gpu_tests, gpu" in proc.stdout
+    assert "skipped: gpu_tests, gpu, gpu_stream_processes, gpu_shard_cores" in proc.stdout
     assert not _processes_in_session(wire.get("session")), "a killed step left processes behind"
 
 

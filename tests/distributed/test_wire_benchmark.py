@@ -27,7 +27,8 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for key in ("shardps_gbps", "shardps_bf16_wire_gbps", "shardps_push_then_pull_gbps", "grpc_ceiling_gbps",
+    for key in ("shardps_gbps", "shardps_bf16_wire_gbps", "shardps_push_then_pull_gbps",
+                "shardps_stream_processes_gbps", "grpc_ceiling_gbps",
                 "tcp_ceiling_gbps",
                 "grpc_multi_channel_ceiling_gbps", "grpc_push_pull_ceiling_gbps"):
         assert r[key] > 0, key
@@ -42,8 +43,9 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     assert "push+pull" in proc.stdout
     # every call is charged with its CPU time: this process's (getrusage) and each server process's (/proc)
     accounts = r["cpu_seconds_per_round"]
-    assert set(accounts) == {"tcp", "grpc", "grpc_2", "echo_1", "echo_2", "shardps", "shardps_plain"}
-    for name, servers in (("shardps", 2), ("shardps_plain", 2), ("grpc", 1), ("echo_2", 2), ("tcp", 1)):
+    assert set(accounts) == {"tcp", "grpc", "grpc_2", "echo_1", "echo_2", "shardps", "shardps_plain", "shardps_procs"}
+    for name, servers in (("shardps", 2), ("shardps_plain", 2), ("shardps_procs", 4), ("grpc", 1), ("echo_2", 2),
+                          ("tcp", 1)):
         a = accounts[name]
         assert len(a["servers"]) == servers, name
         assert a["client"] > 0 and min(a["servers"]) >= 0 and a["wall"] > 0, (name, a)
@@ -51,6 +53,9 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
         assert a["cores_busy"] == pytest.approx(a["total"] / a["wall"]), name
     # shardps' worker encodes, sends, receives and copies back 2 x 64 MiB: far more than nothing
     assert accounts["shardps"]["client"] > 0.005
+    # with stream processes the worker's two helpers run the gRPC streams: they too move 2 x 64 MiB
+    procs = accounts["shardps_procs"]
+    assert procs["stream_processes"] == pytest.approx(sum(procs["servers"][2:])) and procs["stream_processes"] > 0.005
     goal = r["goal"]
     assert goal["round_seconds_at_goal"] == pytest.approx(
         2 * r["model_bytes"] / (goal["min_ratio_to_grpc_multi_channel"] * r["grpc_multi_channel_ceiling_gbps"] * 1e9))

@@ -37,12 +37,14 @@ START = "forkserver"
 NAMES = ("adamw", "sgd_nesterov", "adamw:leader")  # ":leader": split=False, the leader pushes every shard
 
 
-def run_nodes(start_cluster, tmp_path: Path, device: str, local_ranks: int = 2) -> None:
-    """2 nodes x ``local_ranks`` local ranks on ``device`` for every optimizer of :data:`NAMES`: the oracle."""
+def run_nodes(start_cluster, tmp_path: Path, device: str, local_ranks: int = 2, stream_processes: bool = False) -> None:
+    """2 nodes x ``local_ranks`` local ranks on ``device`` for every optimizer of :data:`NAMES`: the oracle
+    (``stream_processes``: every rank's shard streams through helper processes)."""
     processes = 2 * local_ranks
     clusters = {name: start_cluster(2, min_workers=2) for name in NAMES}
     mp.start_processes(node_proc.run, args=({n: c.servers for n, c in clusters.items()}, str(tmp_path), device,
-                                            local_ranks), nprocs=processes, join=True, start_method=START)
+                                            local_ranks, stream_processes),
+                       nprocs=processes, join=True, start_method=START)
     initial = make_model()
     for name, cluster in clusters.items():
         expected, reference = train_single_with_optimizer(name.split(":")[0])
@@ -79,6 +81,12 @@ def run_nodes(start_cluster, tmp_path: Path, device: str, local_ranks: int = 2) 
 
 def test_two_nodes_of_two_local_ranks_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
     run_nodes(start_cluster, tmp_path, "cpu")
+
+
+def test_two_nodes_with_stream_processes_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:
+    """The same oracle with every rank's PushPull streams through its helper processes (the leader's and,
+    split by chunk ownership, each local rank's)."""
+    run_nodes(start_cluster, tmp_path, "cpu", stream_processes=True)
 
 
 def test_two_nodes_of_one_local_rank_match_single_process_gloo(start_cluster, tmp_path: Path) -> None:

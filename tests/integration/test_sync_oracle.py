@@ -67,9 +67,11 @@ def train_single_with_optimizer(name: str) -> tuple[nn.Module, torch.optim.Optim
 
 def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = False,
                   streamed: bool = False, device: str = "cpu", push_credit_bytes: int = 0,
-                  pushed_at_step: frozenset[int] = frozenset()) -> list[nn.Module]:
+                  pushed_at_step: frozenset[int] = frozenset(), stream_processes: bool = False,
+                  between_steps=None) -> list[nn.Module]:
     """The job on ``workers`` worker threads, each replica and its batches on ``device``; the workers in
-    ``pushed_at_step`` push their gradients at ``step()``, in key order (the others from backward's hooks)."""
+    ``pushed_at_step`` push their gradients at ``step()``, in key order (the others from backward's hooks);
+    ``between_steps(worker, step, dist)`` runs after each step."""
     x, y = data()
     x, y = x.to(device), y.to(device)
     per = BATCH // workers
@@ -81,7 +83,8 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
         with DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
                                   model=model if overlap else None, push_during_backward=i not in pushed_at_step,
                                   wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
-                                                   streamed=streamed, push_credit_bytes=push_credit_bytes)) as dist:
+                                                   streamed=streamed, push_credit_bytes=push_credit_bytes,
+                                                   stream_processes=stream_processes)) as dist:
             for step in range(STEPS):
                 dist.zero_grad()
                 part = slice(i * per, (i + 1) * per)
@@ -90,6 +93,8 @@ def train_sharded(name: str, workers: int, servers: list[str], overlap: bool = F
                 sched.step()
                 if step % 7 == 3:
                     dist.synchronize()  # waits for the pull; never starts a round of its own
+                if between_steps is not None:
+                    between_steps(i, step, dist)
             assert dist.version == STEPS
             assert not opt.state, "the local optimizer must never allocate state"
 

@@ -24,7 +24,8 @@ from shardps.worker.node.optimizer import NodeOptimizer
 from tests.integration.test_sync_oracle import BATCH, CHUNK_BYTES, STEPS, data, make_model, make_optimizer
 
 
-def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int = 2) -> None:
+def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int = 2,
+        stream_processes: bool = False) -> None:
     node, local = divmod(i, local_ranks)
     torch.set_num_threads(1)
     backend = "nccl" if device == "cuda" else "gloo"
@@ -41,7 +42,8 @@ def run(i: int, servers: dict[str, str], out: str, device: str, local_ranks: int
             opt, sched = make_optimizer(name.split(":")[0], model)
             with NodeOptimizer(opt, model.named_parameters(), servers=address, node_id=f"node{node}",
                                split=not name.endswith(":leader"),
-                               wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0)) as node_opt:
+                               wire=WireOptions(chunk_bytes=CHUNK_BYTES, rpc_timeout=60.0,
+                                                stream_processes=stream_processes)) as node_opt:
                 for step in range(STEPS):
                     node_opt.zero_grad()
                     xb, yb = x[step, part].to(device), y[step, part].to(device)

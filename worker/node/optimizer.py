@@ -224,7 +224,8 @@ class NodeOptimizer:
                 for s in self._owned:
                     clients[s] = ShardClient(servers[s], index=s, rpc_timeout=wire.rpc_timeout,
                                              connect_timeout=wire.connect_timeout, retry=retry,
-                                             security=wire.security, max_message_bytes=wire.max_message_bytes)
+                                             security=wire.security, max_message_bytes=wire.max_message_bytes,
+                                             stream_process=wire.stream_processes)
             self._share = ShardShare(node, plan, clients, dict(zip(self._names, self._params)), self._buffer_map,
                                      wire.rpc_timeout)
         except Exception as exc:  # told to every rank below

@@ -8,6 +8,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
 from shardps.common.security import ChannelSecurity
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shardps.worker.session.relay import StreamRelay
 from shardps.worker.session.retry import RetryPolicy, retry
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
@@ -59,10 +60,12 @@ class ShardClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retry: RetryPolicy = RetryPolicy(),
         security: ChannelSecurity | None = None,
+        stream_process: bool = False,
     ) -> None:
         self.address, self.index, self.rpc_timeout, self.retry = address, index, rpc_timeout, retry
         self.security = security or ChannelSecurity()
-        self.channel = self.security.channel(address, channel_options(max_message_bytes))
+        options = channel_options(max_message_bytes)
+        self.channel = self.security.channel(address, options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
         except grpc.FutureTimeoutError:
@@ -80,6 +83,8 @@ class ShardClient:
         self._get_state = self.channel.unary_stream(path + "GetState", request_serializer=pb.StateRequest.SerializeToString)
         self._set_state = self.channel.stream_unary(path + "SetState", response_deserializer=pb.SetStateReply.FromString)
         self._export = self.channel.unary_stream(path + "Export", request_serializer=pb.ExportRequest.SerializeToString)
+        #: ``stream_process``: PushPull streams go through a helper process with a channel of its own (relay.py)
+        self.relay = StreamRelay(address, {"security": self.security, "options": options}) if stream_process else None
 
     def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
         """Wrap a gRPC error of call ``what`` with this shard's index and address."""
@@ -143,7 +148,10 @@ class ShardClient:
         return self._pull(request, timeout=self.rpc_timeout)
 
     def push_pull(self, frames):
-        """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames."""
+        """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames (through the
+        stream process with ``stream_process=True``: the same frames, the same errors)."""
+        if self.relay is not None:
+            return self.relay.stream(f"/{_SERVICE}/PushPull", frames, self.rpc_timeout)
         return self._push_pull(frames, timeout=self.rpc_timeout)
 
     def get_state(self, request: pb.StateRequest):
@@ -179,5 +187,7 @@ class ShardClient:
         return self._unary("export_rows", self.stub.ExportRows, request, timeout, repeatable=True)
 
     def close(self) -> None:
-        """Close the channel (calls still running on it fail with CANCELLED)."""
+        """Close the channel and the stream process (calls still running on them fail with CANCELLED)."""
+        if self.relay is not None:
+            self.relay.close()
         self.channel.close()
