@@ -140,14 +140,26 @@ def encode_chunk(
     Returns:
         ``bytes`` of length ~ ``values.numel() * itemsize + 40``.
     """
+    return b"".join(encode_chunk_parts(key, offset, values, version, checksum=checksum, state=state))
+
+
+def encode_chunk_parts(
+    key: str, offset: int, values: torch.Tensor, version: int, *, checksum: bool = False, state: str = ""
+) -> tuple[bytes, memoryview]:
+    """One chunk frame in two parts, nothing copied yet: ``(prefix, payload)``.
+
+    The frame is ``prefix + payload`` (what :func:`encode_chunk` returns); ``payload`` is a ``memoryview`` of
+    ``values``' own memory (uint8, ``values.numel() * itemsize`` bytes), valid while ``values`` is unchanged.
+    A transport that can write both parts (``socket.sendall`` each) skips the copy into one ``bytes``.
+    Arguments as :func:`encode_chunk`.
+    """
     payload = tensor_bytes(values)
     header = pb.ChunkHeader(
         key=key, offset=offset, numel=values.numel(), dtype=WIRE_DTYPES[values.dtype], version=version, state=state
     )
     if checksum:
         header.crc32 = zlib.crc32(payload)
-    prefix = _aligned_prefix(header, len(payload))
-    return b"".join((prefix, payload))
+    return _aligned_prefix(header, len(payload)), payload
 
 
 def _aligned_prefix(header: pb.ChunkHeader, payload_bytes: int) -> bytes:

@@ -154,7 +154,7 @@ class WireOptions:
             call of every round) through a helper process of its own
             (``shardps.worker.session.relay``): gRPC's copies and its
             per-message work leave this process's GIL, and this process
-            moves each frame with two socket copies. For a host with cores to
+            moves each frame with one kernel copy. For a host with cores to
             spare beside the training loop (a GPU host); where every core is
             busy it costs more CPU in all. Default False. The frames, checks,
             errors and results are the same either way.

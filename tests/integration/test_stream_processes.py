@@ -164,6 +164,9 @@ def test_relayed_calls_behave_as_grpc_calls() -> None:
     try:
         frames = [bytes([i]) * n for i, n in enumerate((1, 1000, 5 << 20, 0, 7))]
         assert list(relay.stream(PATH, iter(frames), 10.0)) == frames
+        payload = torch.arange(6, dtype=torch.float32)  # a frame in parts, the payload a tensor's own memory
+        parts = (b"head", memoryview(payload.numpy()), b"", memoryview(b"tail"))
+        assert list(relay.stream(PATH, iter([parts]), 10.0)) == [b"head" + payload.numpy().tobytes() + b"tail"]
         assert list(relay.stream(PATH, iter(frames[:2]), 10.0)) == frames[:2]  # the same helper again
 
         def broken():

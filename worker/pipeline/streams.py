@@ -24,8 +24,8 @@ import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import (
-    FrameError, check_payload, copy_payload, decode_frame, encode_chunk, encode_control, encode_round,
-    payload_tensor,
+    FrameError, check_payload, copy_payload, decode_frame, encode_chunk, encode_chunk_parts, encode_control,
+    encode_round, payload_tensor,
 )
 from shardps.common.plan import Chunk, PartitionPlan
 from shardps.worker.pipeline.device import HostCopies
@@ -219,8 +219,13 @@ class Round:
 
 def push_requests(
     header: pb.RoundHeader, shard: int, push_dtype: torch.dtype, checksum: bool, rnd: Round, commit_timeout: float,
-) -> Iterator[bytes]:
+) -> Iterator[bytes | tuple[bytes, memoryview]]:
     """Request stream of one shard's push; runs on gRPC's request-consumer thread.
+
+    Each chunk comes as :func:`~shardps.common.codec.encode_chunk_parts`'s ``(prefix, payload)``, written
+    before the next is asked for (:meth:`ShardClient.push_pull <shardps.worker.session.client.ShardClient.push_pull>`
+    joins them for gRPC; a stream process's relay writes both to its socket, uncopied); the other frames
+    are ``bytes``.
 
     Yields the round header, then what ``step()`` and the hooks put on ``q``:
     ``("grad", chunk, values[, ready])`` (sent in ``push_dtype``; ``ready``: the
@@ -252,10 +257,10 @@ def push_requests(
                 rnd.wait_credit(shard, sent)
             sent += 1
             values = to_host(values, push_dtype, item[3] if len(item) > 3 else None)
-        frame = encode_chunk(chunk.key, chunk.offset, values, header.round, checksum=checksum)
-        rnd.pushed_bytes[shard] += len(frame)
+        parts = encode_chunk_parts(chunk.key, chunk.offset, values, header.round, checksum=checksum)
+        rnd.pushed_bytes[shard] += len(parts[0]) + len(parts[1])
         rnd.first_sent_at[shard] = rnd.first_sent_at[shard] or time.perf_counter()
-        yield frame
+        yield parts
     rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
     if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report
         yield encode_control(commit=rnd.commit)

@@ -14,6 +14,12 @@ from shardps.worker.session.retry import RetryPolicy, retry
 _SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 
 
+def _joined(frames):
+    """Each frame as one ``bytes``, as gRPC sends it: ``(prefix, payload)`` parts joined (the one copy)."""
+    for frame in frames:
+        yield b"".join(frame) if type(frame) is tuple else frame
+
+
 class ShardRpcError(RuntimeError):
     """A call to a shard failed; ``code`` is the ``grpc.StatusCode`` and ``details`` the shard's message."""
 
@@ -149,10 +155,13 @@ class ShardClient:
 
     def push_pull(self, frames):
         """Start a push-then-pull round trip; iterate the returned call for the raw parameter frames (through the
-        stream process with ``stream_process=True``: the same frames, the same errors)."""
+        stream process with ``stream_process=True``: the same frames, the same errors).
+
+        ``frames``: ``bytes``, or ``(prefix, payload)`` parts of one frame (``encode_chunk_parts``), each
+        written before the next is taken."""
         if self.relay is not None:
             return self.relay.stream(f"/{_SERVICE}/PushPull", frames, self.rpc_timeout)
-        return self._push_pull(frames, timeout=self.rpc_timeout)
+        return self._push_pull(_joined(frames), timeout=self.rpc_timeout)
 
     def get_state(self, request: pb.StateRequest):
         """Start reading the shard's optimizer state; iterate the call for raw frames (grpc.RpcError on failure)."""

@@ -8,8 +8,11 @@ each :class:`~shardps.worker.session.client.ShardClient` starts one helper
 process (``python -m shardps.worker.session.relay_process``) with a gRPC
 channel of its own to its shard; the worker hands it the PushPull stream's
 request frames over a Unix socket and reads the answer frames back from it.
-The worker's share of the bytes is then two socket copies made with the GIL
-released; the gRPC copies run in the helpers, one per shard, on other cores
+The worker's share of the bytes is then one kernel copy each way, made with
+the GIL released (a gradient chunk goes to the socket straight from its
+tensor's memory, a pulled frame lands in one ``bytes``), besides the copy
+of each pulled chunk into the model; the gRPC copies run in the helpers, one
+per shard, on other cores
 (the separate communication process of BytePS: Jiang et al., "A Unified
 Architecture for Accelerating Distributed DNN Training in Heterogeneous
 GPU/CPU Clusters", OSDI 2020). A host whose cores are all busy gains
@@ -60,12 +63,16 @@ CLOSE_SECONDS = 5.0
 DEADLINE_GRACE_SECONDS = 5.0
 
 
-def send_message(sock: socket.socket, lock: threading.Lock, kind: int, call: int, body: bytes = b"") -> None:
-    """Write one message (the GIL is released while the kernel copies ``body``)."""
+def send_message(sock: socket.socket, lock: threading.Lock, kind: int, call: int,
+                 body: bytes | tuple[bytes, ...] = b"") -> None:
+    """Write one message whose body is ``body``, or its parts one after the other (a frame's prefix and
+    payload: nothing joined); the GIL is released while the kernel copies them."""
+    parts = [memoryview(part).cast("B") for part in (body if type(body) is tuple else (body,))]
     with lock:
-        sock.sendall(_HEAD.pack(kind, call, len(body)))
-        if body:
-            sock.sendall(body)
+        sock.sendall(_HEAD.pack(kind, call, sum(part.nbytes for part in parts)))
+        for part in parts:
+            if part.nbytes:
+                sock.sendall(part)
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes:
@@ -247,7 +254,7 @@ class StreamRelay:
             log.warning("stream process of shard %s ended (status %s); the next call starts another",
                         self.address, code)
 
-    def send(self, kind: int, call_id: int, body: bytes = b"") -> None:
+    def send(self, kind: int, call_id: int, body: bytes | tuple[bytes, ...] = b"") -> None:
         """Send one message to the helper; a helper that is gone fails the call through :meth:`_read`."""
         sock = self.sock
         if sock is None:
@@ -261,7 +268,8 @@ class StreamRelay:
         """Start the stream-stream call ``method`` (its full path, ``"/shardps.v1.Shard/PushPull"``) with request
         frames ``frames``.
 
-        A thread of this process iterates ``frames`` and hands each frame to the helper, as gRPC's
+        A thread of this process iterates ``frames`` (``bytes``, or a frame's ``(prefix, payload)`` parts,
+        written uncopied) and hands each frame to the helper before it takes the next, as gRPC's
         request-consumer thread would; an exception there fails the call with UNKNOWN.
 
         Raises:
