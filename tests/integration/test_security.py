@@ -161,6 +161,26 @@ def test_training_over_mutual_tls(mtls_cluster, pki) -> None:
     assert_trained(train(mtls_cluster.addresses, pki.security(client="client")))
 
 
+def test_stream_processes_train_over_mutual_tls_with_a_token(pki) -> None:
+    """A worker's stream processes open channels of their own with its ChannelSecurity: the shard's CA, the
+    client certificate and the token; the rounds go through them and train as the plain optimizer does."""
+    cluster = ForkedCluster(1, extra_args=("--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"),
+                                           "--tls-ca", pki.path("ca.pem"), "--auth-token-file", pki.path("token")))
+    cluster.start()
+    try:
+        model, opt = make()
+        wire = WireOptions(chunk_bytes=256, connect_timeout=10.0, stream_processes=True,
+                           security=pki.security(client="client", token=TOKEN))
+        with DistributedOptimizer(opt, model.named_parameters(), servers=cluster.addresses, wire=wire) as dist:
+            run(model, dist)
+            assert dist.version == STEPS
+            relays = [client.relay for client in dist._clients]
+            assert all(r.proc is not None and r.proc.poll() is None for r in relays)  # the rounds went through them
+        assert_trained(model)
+    finally:
+        cluster.stop()
+
+
 def test_failed_handshakes_are_unavailable_and_change_nothing(trained_tls, mtls_cluster, pki) -> None:
     tls_cluster = trained_tls[0]
     trusted_tls, trusted_mtls = pki.security(token=TOKEN), pki.security(client="client")
