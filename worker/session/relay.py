@@ -11,12 +11,11 @@ request frames over a Unix socket and reads the answer frames back from it.
 The worker's share of the bytes is then one kernel copy each way, made with
 the GIL released (a gradient chunk goes to the socket straight from its
 tensor's memory, a pulled frame lands in one ``bytes``), besides the copy
-of each pulled chunk into the model; the gRPC copies run in the helpers, one
-per shard, on other cores
-(the separate communication process of BytePS: Jiang et al., "A Unified
-Architecture for Accelerating Distributed DNN Training in Heterogeneous
-GPU/CPU Clusters", OSDI 2020). A host whose cores are all busy gains
-nothing: the helpers copy more in all.
+of each pulled chunk into the model; the gRPC copies run in the helpers,
+one per shard, on other cores (the separate communication process of
+BytePS: Jiang et al., "A Unified Architecture for Accelerating Distributed
+DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2020). A host whose
+cores are all busy gains nothing: the helpers copy more in all.
 
 The frames are the same bytes either way: the helper never decodes them,
 and every check stays in the worker. A call behaves as a gRPC call does
