@@ -167,11 +167,24 @@ def _run_step(command: list[str], log, limit: float, record: dict) -> int | None
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _wait_group_gone(proc.pid)
         return None
     finally:
         if proc.poll() is None:  # interrupted (Ctrl-C): take the group down with it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _wait_group_gone(pgid: int, seconds: float = 10.0) -> None:
+    """Wait (up to ``seconds``) until no process of group ``pgid`` is left: SIGKILLed processes take a moment to
+    exit (the shards and stream processes a benchmark started; unreaped zombies may stay, and are harmless)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def prepare(wheels: Path, python_version: str) -> int:

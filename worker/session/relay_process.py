@@ -76,10 +76,10 @@ def serve(sock: socket.socket) -> None:
                 q, call = entry
                 if kind == FRAME:
                     q.put(body)
-                else:  # the requests end; a cancel also ends the call (its answer thread forgets it)
-                    q.put(None)
+                else:  # the requests end; a cancel ends the call first (the shard sees a cancel, not an end)
                     if kind == CANCEL:
                         call.cancel()
+                    q.put(None)
     finally:
         for q, call in list(calls.values()):
             call.cancel()
