@@ -263,7 +263,7 @@ def main() -> None:
             relay, senders["shardps_procs"] = shardps_rounds(relay_cluster, args.chunk_bytes, "fp32", "fp32",
                                                              stream_processes=True)
             senders["shardps_procs"]()  # its stream processes start with the first round
-            helpers = [client.relay.proc.pid for client in relay._clients]
+            helpers = relay.stream_process_pids
             # the server processes each sender talks to, whose CPU time its calls are charged with
             servers = {name: [sinks[1].proc.pid] if name == "tcp" else
                        [sinks[0].proc.pid, sinks[2].proc.pid] if name.startswith("echo_") else

@@ -59,6 +59,12 @@ class JobView:
         return [c.stats() for c in self._clients]
 
     @property
+    def stream_process_pids(self) -> list[int | None]:
+        """Per shard, the process id of the stream process carrying its PushPull streams
+        (``WireOptions(stream_processes=True)``): None before its first round, or without stream processes."""
+        return [c.relay.pid if c.relay is not None else None for c in self._clients]
+
+    @property
     def members(self) -> list[str]:
         """The job's member ids (averaging order), as shard 0 reported them at the last heartbeat."""
         return list(self._leases.members) if self._leases else []

@@ -14,10 +14,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.procs import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_session.py"
@@ -74,10 +75,8 @@ def test_a_budget_too_small_skips_the_later_steps_and_fails(tmp_path: Path) -> N
     wire = steps[-1]
     assert wire["limit_seconds"] <= 12 and (wire["returncode"] == 0 or wire.get("killed") or wire.get("skipped"))
     assert "skipped: gpu_tests, gpu, gpu_stream_processes, gpu_shard_cores" in proc.stdout
-    deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to exit
-    while (left := _processes_in_session(wire.get("session"))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"a killed step left processes behind: {left}"
+    # SIGKILLed processes take a moment to exit
+    wait_until(lambda: not _processes_in_session(wire.get("session")), 10, "a killed step's processes to exit")
 
 
 def _processes_in_session(sid: int | None) -> list[str]:

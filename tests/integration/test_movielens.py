@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import alive
+
 DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or
             Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-100k")
 
@@ -73,13 +75,6 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_stops_the_job_its_workers_and_the_shards_it_started():
     import signal
     import time
@@ -96,9 +91,9 @@ def test_sigterm_stops_the_job_its_workers_and_the_shards_it_started():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in started):
+        while time.monotonic() < deadline and any(alive(p) for p in started):
             time.sleep(0.2)
-        left = {p: c for p, c in started.items() if _alive(p)}
+        left = {p: c for p, c in started.items() if alive(p)}
         assert not left, f"processes outlived the job: {left}"
     finally:
         if proc.poll() is None:

@@ -24,10 +24,7 @@ from torch import nn
 from shardps.worker.config import WireOptions
 from shardps.worker.optimizer import DistributedOptimizer
 from tests.integration.test_sync_oracle import train_sharded, train_single
-
-
-def _relays(dist) -> list:
-    return [client.relay for client in dist._clients]
+from tests.support.procs import alive, wait_until
 
 
 def _same_bits(a: list[nn.Module], b: list[nn.Module]) -> None:
@@ -42,15 +39,16 @@ def test_stream_processes_give_the_same_bits(start_cluster, streamed: bool) -> N
     helpers: dict[int, list[int]] = {}
 
     def record(worker: int, step: int, dist) -> None:
-        helpers.setdefault(worker, [r.proc.pid for r in _relays(dist)])
-        assert all(r.proc.poll() is None for r in _relays(dist))
+        pids = dist.stream_process_pids
+        assert all(pid is not None and alive(pid) for pid in pids), pids
+        assert helpers.setdefault(worker, pids) == pids  # the same helpers, round after round
 
     relayed = train_sharded("adamw", 2, cluster.addresses, overlap=True, streamed=streamed, stream_processes=True,
                             between_steps=record)
     assert len({pid for pids in helpers.values() for pid in pids}) == 4  # 2 workers x 2 shards, one each
     for pids in helpers.values():  # closing the optimizer ended them
         for pid in pids:
-            assert not _alive(pid), f"stream process {pid} outlived its optimizer"
+            assert not alive(pid), f"stream process {pid} outlived its optimizer"
     direct = train_sharded("adamw", 2, start_cluster(2, min_workers=2).addresses, overlap=True, streamed=streamed)
     _same_bits(relayed, direct)
     for (key, want), got in zip(train_single("adamw").named_parameters(), relayed[0].parameters()):
@@ -63,22 +61,16 @@ def test_a_helper_killed_between_rounds_is_started_again(start_cluster) -> None:
 
     def kill(worker: int, step: int, dist) -> None:
         if worker == 0 and step in (4, 11):
-            relay = _relays(dist)[step % 2]
-            killed.append(relay.proc.pid)
-            os.kill(relay.proc.pid, signal.SIGKILL)
-            relay.proc.wait(10)
+            pid = dist.stream_process_pids[step % 2]
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: dist.stream_process_pids[step % 2] is None, 10, "the worker to see its helper exit")
+        elif worker == 0 and step in (5, 12):  # the round after: a new helper carried it
+            assert dist.stream_process_pids[(step - 1) % 2] not in (None, *killed)
 
     relayed = train_sharded("sgd_nesterov", 2, cluster.addresses, stream_processes=True, between_steps=kill)
     assert len(killed) == 2
     _same_bits(relayed, train_sharded("sgd_nesterov", 2, start_cluster(2, min_workers=2).addresses))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)
@@ -93,16 +85,15 @@ def test_a_helper_killed_during_a_round_is_recovered_as_a_lost_connection(start_
     with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                               servers=cluster.addresses, worker_id="alone", wire=wire) as dist:
         model(torch.randn(2, 8)).sum().backward()
-        relay = _relays(dist)[0]
         started = time.monotonic()
         killed: list[int] = []
 
         def kill_soon() -> None:  # the helper starts with the round's stream
-            while relay.proc is None and time.monotonic() - started < 20:
+            while dist.stream_process_pids[0] is None and time.monotonic() - started < 20:
                 time.sleep(0.05)
             time.sleep(1.0)
-            killed.append(relay.proc.pid)
-            os.kill(relay.proc.pid, signal.SIGKILL)
+            killed.append(dist.stream_process_pids[0])
+            os.kill(killed[0], signal.SIGKILL)
 
         threading.Thread(target=kill_soon, daemon=True).start()
         dist.step()

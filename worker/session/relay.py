@@ -253,6 +253,12 @@ class StreamRelay:
             log.warning("stream process of shard %s ended (status %s); the next call starts another",
                         self.address, code)
 
+    @property
+    def pid(self) -> int | None:
+        """The running helper's process id; None before the first call, or once it exited."""
+        proc = self.proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
     def send(self, kind: int, call_id: int, body: bytes | tuple[bytes, ...] = b"") -> None:
         """Send one message to the helper; a helper that is gone fails the call through :meth:`_read`."""
         sock = self.sock
