@@ -8,10 +8,17 @@ parts the same way into the same ``RoundCommit``: skip, or the clip
 coefficient, computed with clip_grad_norm_'s float32 arithmetic. The
 worker also hands the global found-inf to the GradScaler, so that
 ``scaler.update()`` backs off or grows the scale on every worker alike.
+
+A round that fails on a shard before every report is in (the shard died or
+restarted) cannot be decided: it is abandoned, and the other shards skip
+it (``Round.wait_decided``). Once the failed shards are rejoined, the step
+returns as skipped, with a warning: no shard applied the round, as no
+shard applies a round skipped for Inf.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +27,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from shardps.proto import shardps_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,15 +105,25 @@ def await_decision(rnd, options: RoundOptions, optimizer: object, finish: Callab
     """Wait for the verdict of a round that clips or scales (``rnd``: a ``worker.rounds.Round``); hand it on.
 
     Returns:
-        Whether the round was skipped (the GradScaler is told it found Inf).
+        Whether the round was skipped (the GradScaler is told whether it found Inf; a round abandoned because
+        a shard failed before reporting found none).
 
     Raises:
-        ShardRpcError: from ``finish()``, when the round failed before its reports.
+        ShardRpcError: from ``finish()``, when the round failed before its reports on a shard that could not
+            be rejoined.
         RuntimeError: a round skipped for overflow without a GradScaler.
     """
     if not rnd.wait_decided():
         finish()  # raises the failure
         raise RuntimeError("the shards ended the round without a report")
+    if rnd.abandoned:
+        error = rnd.failed()
+        finish()  # raises the failure, unless every failed shard was rejoined
+        log.warning("the round of this step was lost: a shard failed before every shard reported (%s); the other "
+                    "shards skipped it, so no shard applied it, and the step counts as skipped", error)
+        if options.scaled:
+            record_found_inf(options.grad_scaler, optimizer, False)
+        return True
     if options.scaled:
         record_found_inf(options.grad_scaler, optimizer, rnd.commit.skip)
     elif rnd.commit.skip:

@@ -59,6 +59,8 @@ class RoundSteps:
             self._finish_pull(rejoin=False)  # blocking wait, normally a no-op: the forward already waited
             self.check_healthy()  # DistributedOptimizer's: diverged partitions or a lost membership
             decide = self._decide if self._pushed_options.needs_commit else None
+            if decide is not None:
+                self.last_grad_norm = math.nan  # until decided (an abandoned round is never)
             rnd = Round(len(self._clients), self._chunk_counts, decide)
             if self.mode.mode not in ("", "sync"):  # async/ssp: one shard after another (staggered_order)
                 order = staggered_order(self._member_number, len(self._clients))
@@ -216,7 +218,7 @@ class RoundSteps:
             self.versions = [applied.get(s, rejoined.get(s, v)) for s, v in enumerate(self.versions)]
             if other or down:
                 shard, error = (other or down)[0]
-                if other and applied:
+                if other and applied and not rnd.abandoned:  # (an abandoned round was skipped where it arrived)
                     self._diverged = divergence(applied, shard, error, self.versions)
                 raise error
         if rejoin and self._recovery is not None and self._recovery.restarted:

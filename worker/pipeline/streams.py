@@ -8,7 +8,8 @@ back. Hooks only slice tensors and enqueue them: no host sync, no I/O.
 A push stream is the round header, gradient chunks, buffer chunks and a
 trailer. In a round that clips or scales, each shard first answers with a
 report; once every shard's report is in, the worker decides (``commit.py``)
-and each push stream sends the commit before the parameters come back.
+and each push stream sends the commit before the parameters come back (a
+skip, if the round failed on a shard before every report came in).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class Round:
 
     ``ready[key]`` is set once every chunk of ``key`` (a parameter or a
     buffer) has been pulled; ``sent[shard]`` once the push stream to
-    ``shard`` has encoded its last chunk; ``decided`` once every shard's
-    report is in and ``commit`` holds the decision (rounds that clip or scale).
+    ``shard`` has encoded its last chunk; ``decided`` once ``commit`` holds
+    the decision of a round that clips or scales: made from every shard's
+    report, or a skip when the round failed on a shard before every report
+    was in (``abandoned``: no shard applies it; see :meth:`wait_decided`).
     ``sources[key]`` is the gradient tensor pushed for ``key`` and its
     ``_version`` then, to detect edits made after the push started.
     """
@@ -90,6 +93,7 @@ class Round:
         self.reports: dict[int, pb.RoundReport] = {}
         self.commit: pb.RoundCommit | None = None
         self.decided = threading.Event()
+        self.abandoned = False
         #: staggered pushes (async/ssp): ``after[shard]`` is the shard whose push stream must hand over all of its
         #: frames before this one sends its first chunk (:func:`staggered_order`)
         self.after: dict[int, int] = {}
@@ -123,11 +127,12 @@ class Round:
 
     def report_arrived(self, shard: int, report: pb.RoundReport) -> None:
         """Record a shard's report; the last one makes the decision every push stream then commits."""
-        with self.lock:
+        with self.lock:  # the decision and an abandonment (:meth:`wait_decided`): the first one stands
             self.reports[shard] = report
-            complete = len(self.reports) == len(self.queues)
+            complete = len(self.reports) == len(self.queues) and self.commit is None
+            if complete:
+                self.commit = self.decide([self.reports[s] for s in sorted(self.reports)])
         if complete:
-            self.commit = self.decide([self.reports[s] for s in sorted(self.reports)])
             self.decided.set()
 
     def wait_turn(self, shard: int, timeout: float) -> None:
@@ -209,12 +214,33 @@ class Round:
         failed = [(s, f.exception()) for s, f in enumerate(self.futures) if f.exception() is not None]
         return applied, failed
 
-    def wait_decided(self) -> bool:
-        """Wait until every shard reported and ``commit`` is decided; False if the round failed first."""
-        while not self.decided.wait(0.05):  # blocking wait for every shard's report
-            if self.failed() is not None or all(f.done() for f in self.futures):
+    def wait_decided(self, timeout: float | None = None) -> bool:
+        """Wait until ``commit`` is decided (up to ``timeout`` seconds; None: no limit); False if it was not, or
+        if every shard's call ended without a report.
+
+        A round that failed on a shard before every report came in is
+        abandoned: ``commit`` becomes a skip, which every push stream sends,
+        so that the shards still holding the round end it changing nothing
+        (a decision sent to some shards and a skip to others would leave the
+        partitions of one model at different steps). A failure after the
+        decision changes nothing here.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.decided.wait(TURN_POLL_SECONDS):  # blocking wait for every shard's report
+            if self.failed() is not None:
+                with self.lock:
+                    if self.commit is None:
+                        self.commit, self.abandoned = pb.RoundCommit(skip=True, clip_coef=1.0), True
+                self.decided.set()
+            elif (self.futures and all(f.done() for f in self.futures)) or \
+                    (deadline is not None and time.monotonic() > deadline):
                 return False
         return True
+
+    def commit_for(self, round_: int) -> pb.RoundCommit:
+        """The decided ``commit`` as the shard whose round is ``round_`` takes it (the shards' versions differ once
+        one restarted from its checkpoint: each commit names the round its shard collects)."""
+        return pb.RoundCommit(round=round_, skip=self.commit.skip, clip_coef=self.commit.clip_coef)
 
 
 def push_requests(
@@ -262,8 +288,8 @@ def push_requests(
         rnd.first_sent_at[shard] = rnd.first_sent_at[shard] or time.perf_counter()
         yield parts
     rnd.sent[shard].set()  # every gradient byte of this shard is copied into a frame
-    if rnd.decide is not None and rnd.decided.wait(commit_timeout):  # blocking wait for every shard's report
-        yield encode_control(commit=rnd.commit)
+    if rnd.decide is not None and rnd.wait_decided(commit_timeout):  # blocking wait for every shard's report
+        yield encode_control(commit=rnd.commit_for(header.round))
 
 
 def init_requests(
