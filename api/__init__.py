@@ -9,6 +9,10 @@ worker side, and operator commands start without importing torch:
   :class:`NodeOptimizer` (reduction within a node),
   :class:`LocalCluster` (shard processes on this machine), :class:`ShardRpcError`,
   :class:`GradientEditedError`, and :mod:`shardps.worker.export` as ``export``;
+- recommender models: the sharded tables (:class:`ShardedEmbedding`, :class:`ShardedEmbeddingBag`,
+  :class:`ShardedEmbeddingBagCollection`, :class:`RowWiseAdagrad`), porting a library's model
+  (:func:`shard_embeddings`, :func:`sharded_parameters`, :func:`prefetching`) and taking it out of the
+  job (:func:`local_model`, :class:`HashedEmbedding`, :class:`HashedEmbeddingBag`, :class:`TableExport`);
 - shared: :class:`ChannelSecurity` (TLS, mutual TLS, bearer token),
   :class:`OptimizerSpecError`;
 - server side: :class:`ShardConfig` and :func:`create_server` (run a shard in-process).
@@ -32,6 +36,12 @@ _WHERE = {
     "ShardedEmbeddingBagCollection": "shardps.worker.embedding.collection",
     "RowWiseAdagrad": "shardps.worker.embedding.tables",
     "TableExport": "shardps.worker.embedding.export",
+    "local_model": "shardps.worker.embedding.local",
+    "HashedEmbedding": "shardps.worker.embedding.local",
+    "HashedEmbeddingBag": "shardps.worker.embedding.local",
+    "shard_embeddings": "shardps.worker.embedding.porting",
+    "sharded_parameters": "shardps.worker.embedding.porting",
+    "prefetching": "shardps.worker.embedding.prefetch",
     "ShardRpcError": "shardps.worker.session.client",
     "ChannelSecurity": "shardps.common.security",
     "OptimizerSpecError": "shardps.common.optim",

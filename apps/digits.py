@@ -66,6 +66,11 @@ class DigitsConfig:
         security: TLS / mutual TLS / bearer token of every channel to the shards
             (``shardps.common.security.ChannelSecurity``; running ``servers`` only).
             Never written to the report.
+        resume: a job the running ``servers`` already hold past version 0:
+            ``"allow"`` continues it (each worker logs ``continuing job J at version V;
+            `shardps reset` starts over`` at WARNING), ``"refuse"`` refuses it
+            (``shardps train digits --fresh-job``): :func:`run` checks once, before
+            any worker starts; :func:`train_worker` passes it to the optimizer.
     """
 
     workers: int = 2
@@ -86,11 +91,14 @@ class DigitsConfig:
     local_ranks: int = 1
     metrics_port: int | None = None
     security: ChannelSecurity | None = field(default=None, repr=False)
+    resume: str = "allow"
 
     def __post_init__(self) -> None:
         from shardps.worker.config import ConsistencyOptions
+        from shardps.worker.job import check_resume
 
         ConsistencyOptions(mode=self.mode, staleness=self.staleness)  # ValueError names the fix
+        check_resume(self.resume)
         if not (0 < len(self.job_name) <= 200 and self.job_name.isprintable() and " " not in self.job_name):
             raise ValueError(f"job_name must be 1 to 200 printable characters without spaces, got {self.job_name!r}")
         for name in ("workers", "shards", "epochs", "batch_size", "hidden", "local_ranks"):
@@ -245,6 +253,7 @@ def train_worker(
         ValueError: bad settings (no servers, ``index`` out of range, a global batch larger than the data).
         ConnectionError: a shard did not answer within ``connect_timeout``.
         shardps.worker.session.client.ShardRpcError: a shard refused a call (e.g. this worker was dropped).
+        shardps.worker.job.RunningJobError: ``config.resume`` is ``"refuse"`` and the job is past version 0.
     """
     from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions
     from shardps.worker.node.optimizer import NodeOptimizer
@@ -266,7 +275,7 @@ def train_worker(
     orders: dict[int, torch.Tensor] = {}
     local_steps = 0
     worker_id = worker_id or rank_worker_id(config.job_name, index)
-    options = dict(servers=list(config.servers),
+    options = dict(servers=list(config.servers), resume=config.resume,
                    consistency=ConsistencyOptions(mode=config.mode, staleness=config.staleness),
                    wire=WireOptions(chunk_bytes=config.chunk_bytes, push_dtype=config.push_dtype,
                                     pull_dtype=config.pull_dtype, connect_timeout=connect_timeout,
@@ -366,10 +375,17 @@ def run(config: DigitsConfig) -> dict:
 
     Raises:
         RuntimeError: a worker or a shard failed (the message says which and why).
+        shardps.worker.job.RunningJobError: ``config.resume`` is ``"refuse"`` and the running ``config.servers``
+            hold a job past version 0 (no worker started).
     """
     from shardps.worker.cluster import LocalCluster
+    from shardps.worker.job import refuse_running_job
 
     start = time.perf_counter()
+    if config.servers and config.resume == "refuse":
+        refuse_running_job(config.servers, security=config.security)
+    # every worker of this run continues what the others started (one may join after the first rounds)
+    workers_config = replace(config, resume="allow")
     with tempfile.TemporaryDirectory(prefix="shardps-digits-") as tmp:
         result_path = str(Path(tmp) / "result.json")
         if config.servers:
@@ -381,7 +397,7 @@ def run(config: DigitsConfig) -> dict:
             for i, address in enumerate(embedded.metrics_addresses):
                 print(f"shard {i} metrics on {address}", flush=True)
         try:
-            run_workers(_worker, (replace(config, servers=tuple(servers)), result_path),
+            run_workers(_worker, (replace(workers_config, servers=tuple(servers)), result_path),
                         config.workers * config.local_ranks, "digits")
         finally:
             if embedded is not None:

@@ -58,6 +58,10 @@ class MovieLensConfig:
         lam_user, lam_item, reg_alpha: the L2 term (module docstring).
         init_scale: vectors start uniform in [-init_scale, init_scale); biases at 0.
         seed: shuffles; progress: show a progress bar.
+        resume: a job the running ``servers`` already hold past version 0 (a run
+            before this one): ``"allow"`` continues it (each worker logs ``continuing
+            job J at version V; `shardps reset` starts over`` at WARNING), ``"refuse"``
+            refuses it before any worker starts (``--fresh-job``).
 
     Raises:
         ValueError: a setting out of range (the message names it).
@@ -79,8 +83,12 @@ class MovieLensConfig:
     init_scale: float = 0.01
     seed: int = 0
     progress: bool = True
+    resume: str = "allow"
 
     def __post_init__(self) -> None:
+        from shardps.worker.job import check_resume
+
+        check_resume(self.resume)
         for name in ("workers", "shards", "epochs", "batch_size", "dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -168,7 +176,7 @@ def train_worker(config: MovieLensConfig, index: int, on_step=None) -> dict:
                                  lr=config.lr, eps=1e-10)
     worker_id = f"movielens-rank{index}"
     dist = DistributedOptimizer(dense, model.named_parameters(), servers=list(config.servers), model=model,
-                                worker_id=worker_id, sparse_optimizer=sparse)
+                                worker_id=worker_id, sparse_optimizer=sparse, resume=config.resume)
     generator = torch.Generator().manual_seed(config.seed)
     n, per_step = users.numel(), config.batch_size * config.workers
     steps, losses = 0, []
@@ -230,10 +238,16 @@ def run(config: MovieLensConfig) -> dict:
     Raises:
         FileNotFoundError, ValueError: the data (see :func:`check_data`).
         RuntimeError: a worker or a shard failed (the message says which and why).
+        shardps.worker.job.RunningJobError: ``config.resume`` is ``"refuse"`` and the running ``config.servers``
+            hold a job past version 0 (no worker started).
     """
     from shardps.worker.cluster import LocalCluster
+    from shardps.worker.job import refuse_running_job
 
     check_data(config.data_dir)  # before anything starts
+    if config.servers and config.resume == "refuse":
+        refuse_running_job(config.servers)
+    workers = replace(config, resume="allow")  # the workers of one run continue what the first of them started
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardps-movielens-") as tmp:
         result_path = str(Path(tmp) / "result.json")
@@ -241,7 +255,7 @@ def run(config: MovieLensConfig) -> dict:
                                                             extra_args=("--threads", "1")).start()
         servers = tuple(config.servers) or tuple(embedded.addresses)
         try:
-            run_workers(_worker, (replace(config, servers=servers), result_path), config.workers, "movielens")
+            run_workers(_worker, (replace(workers, servers=servers), result_path), config.workers, "movielens")
         finally:
             if embedded is not None:
                 embedded.stop()

@@ -61,6 +61,9 @@ host's link runs at half the rate (default systems: async, ddp).
 ``--host-qdisc fair`` shares each host's egress evenly among the hosts it
 sends to; ``--tcp-cc`` sets the hosts' TCP congestion control (default: a
 new namespace's, the root namespace's); the JSON names the one that ran.
+The shards run with their default lease (10 s; ``--lease-seconds``), and
+each row counts the workers they dropped at lease expiry
+(``lease_expiries``, from the shards' logs: 0 in a healthy run).
 
 Needs CAP_NET_ADMIN (root): without it, exits with status 77 and says why.
 Every namespace, veth, bridge and process it makes is removed at exit, on
@@ -87,6 +90,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_net import HOST_QDISCS, Network, probe  # noqa: E402
 from common import cpu_seconds, emit, parser, table  # noqa: E402
+
+from shardps.server.config import ShardConfig  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("sync", "sync_bf16", "sync_plain", "sync_clip", "async", "ddp", "ddp_fp16")
@@ -218,7 +223,8 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
                 shards.append(Host(f"{host}-{system}", net.exec_args(host) + [
                     sys.executable, "-m", "shardps.cli.server", "--shard-index", str(j), "--num-shards", str(s),
                     "--host", net.address[host], "--port", str(SHARD_PORT), "--min-workers", str(n), "--mode", mode,
-                    "--threads", "1", "--lease-seconds", str(args.lease_seconds), "--log-level", "WARNING"],
+                    "--threads", "1", *(["--lease-seconds", str(args.lease_seconds)] if args.lease_seconds else []),
+                    "--log-level", "WARNING"],
                     log_dir, env))
                 cleanup.hosts.append(shards[-1])
             for shard in shards:
@@ -255,6 +261,8 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
         for shard in shards:
             shard.stop()
             cleanup.hosts.remove(shard)
+    # every worker a shard dropped at lease expiry (its WARNING line); sync rounds would then have failed
+    dropped = sum(shard.log.read_text().count("(its lease expired)") for shard in shards)
     wall = max(t["end"] for t in timed) - min(t["start"] for t in timed)
     host_steps = sum(t["steps"] for t in timed)
     rounds = host_steps / n  # steps of one host
@@ -281,6 +289,7 @@ def run_system(system: str, index: int, args, net: Network, workers: list[Host],
         "own_cpu_share": own,
         "shards_cpu_s_per_step": shards_cpu / rounds,
         "worker_cpu_s_per_step": [t["cpu"] / max(1, t["steps"]) for t in timed],
+        "lease_expiries": dropped,
     }
     lines = [t["timeline"] for t in timed if t.get("timeline")]
     if lines:
@@ -316,8 +325,9 @@ def main() -> int:
                         "shard may have unanswered (default 256 KiB, 4 chunks of 64 KiB: at 4 x 4 and 50 Mbit/s "
                         "sync ran 0.87 of its link bound, 0.86 with 2 or 8 chunks, 0.67 without credit; 0: no limit)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take beyond 3x its link bound")
-    p.add_argument("--lease-seconds", type=float, default=120.0,
-                   help="shards' worker lease, s (default 120: a heartbeat waits behind megabytes on a slow link)")
+    p.add_argument("--lease-seconds", type=float,
+                   help="shards' worker lease, s (default: the shards' own, 10 s); the rows count the workers "
+                        "a shard dropped at lease expiry (lease_expiries)")
     p.add_argument("--probe", action="store_true", help="only check that namespaces can be made (exit 0 or 77)")
     args = p.parse_args()
     systems = (args.systems or ("async,ddp" if args.straggler else ",".join(SYSTEMS))).split(",")
@@ -368,8 +378,8 @@ def main() -> int:
                 print(f"running {system} ...", flush=True)
                 rows[system] = row = run_system(system, index, args, net, workers, cleanup, log_dir, env)
                 print(f"  {row['samples_per_s']:.1f} samples/s, {row['fraction_of_link_bound']:.2f} of the link "
-                      f"bound, CPUs {100 * row['cpu_busy']:.0f}% busy ({100 * row['own_cpu_share']:.0f}% this run)",
-                      flush=True)
+                      f"bound, CPUs {100 * row['cpu_busy']:.0f}% busy ({100 * row['own_cpu_share']:.0f}% this run), "
+                      f"{row['lease_expiries']} workers dropped at lease expiry", flush=True)
                 if "timeline_ms" in row:
                     t = row["timeline_ms"]
                     print(f"  timeline (ms from the first push): step() {t['step_called']:.0f}, push end "
@@ -411,6 +421,8 @@ def report(rows: dict[str, dict], args, rates: dict[str, float], congestion: str
         if r["cpu_busy"] > BUSY_WARNING:
             print(f"WARNING: the CPUs were {100 * r['cpu_busy']:.0f}% busy during {s}: the CPUs, not the links, may "
                   "set its pace; lower --rate-mbit or measure on a quieter machine")
+    if dropped := {s: r["lease_expiries"] for s, r in rows.items() if r["lease_expiries"]}:
+        print(f"WARNING: shards dropped workers at lease expiry: {dropped}")
     bad = [s for s, r in rows.items() if not (r["samples_per_s"] > 0 and math.isfinite(r["final_loss"]))]
     if bad:
         print(f"WARNING: rows without a positive samples/s or a finite loss: {bad}")
@@ -420,7 +432,7 @@ def report(rows: dict[str, dict], args, rates: dict[str, float], congestion: str
            "rates_mbit": {h: r / 1e6 for h, r in rates.items()}, "steps": args.steps, "warmup": args.warmup,
            "per_worker_batch": PER_WORKER, "params": PARAMS, "model_bytes_fp32": 4 * PARAMS,
            "chunk_bytes": args.chunk_bytes, "push_credit_bytes": args.push_credit_bytes,
-           "ring_bound_samples_per_s": ring,
+           "lease_seconds": args.lease_seconds or ShardConfig.lease_seconds, "ring_bound_samples_per_s": ring,
            "rows": rows}
     emit(out, args.json)
 

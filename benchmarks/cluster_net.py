@@ -125,7 +125,7 @@ class Network:
         self.tag = f"sps{os.getpid()}"
         self.switch = f"{self.tag}sw"
         self.hosts = hosts
-        self.rates_bit = rates_bit
+        self.rates_bit = dict(rates_bit)
         self.delay_ms = delay_ms
         if host_qdisc not in HOST_QDISCS:
             raise ValueError(f"host_qdisc must be one of {HOST_QDISCS}, not {host_qdisc!r}")
@@ -168,6 +168,21 @@ class Network:
             else:
                 run("tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *tbf_args(rate))
         return self
+
+    def set_rate(self, host: str, rate_bit: float) -> None:
+        """Change ``host``'s link to ``rate_bit`` bits/s in both directions, at once, connections kept (``tc qdisc
+        change`` of both token buckets: a test slows one host's link down once its processes are up).
+
+        Raises:
+            ValueError: ``host_qdisc`` is ``"fair"`` (its classes are set at :meth:`create` only).
+        """
+        if self.host_qdisc != "fifo":
+            raise ValueError("set_rate changes the links of host_qdisc 'fifo' only")
+        ns, port = self.ns[host], self.port[host]
+        run("tc", "-n", ns, "qdisc", "change", "dev", "eth0", "root", *tbf_args(rate_bit))
+        handle = ["handle", "1:"] if self.delay_ms > 0 else []
+        run("tc", "-n", self.switch, "qdisc", "change", "dev", port, "root", *handle, *tbf_args(rate_bit))
+        self.rates_bit[host] = rate_bit
 
     def _set_congestion(self, ns: str) -> None:
         """Give namespace ``ns`` the congestion control asked for (if any) and record the one it runs."""

@@ -1,7 +1,7 @@
 """``shardps``: the worker-side command line.
 
     shardps train digits [--workers 2] [--shards 2] [--epochs 40] [--lr 3e-3]
-                         [--servers host:port,...] [--report PATH]
+                         [--servers host:port,... [--fresh-job]] [--report PATH]
     shardps train digits --servers host:port,... --workers N --worker-index I   # one worker: I of N
     torchrun --nproc-per-node 2 --max-restarts 1 -m shardps.cli.main \
         train digits --servers host:port,... --worker-index env             # rank and size from the launcher
@@ -122,6 +122,12 @@ def _port(text: str) -> int:
     return int(text)
 
 
+#: ``--fresh-job`` of ``shardps train``: ``resume="refuse"`` (``shardps.worker.job``).
+FRESH_JOB_HELP = ("refuse to continue a job the running --servers already hold past version 0 (exit 1, naming "
+                  "`shardps reset`) instead of continuing it with a WARNING 'continuing job J at version V'; "
+                  "checked once before the workers start")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardps", description="shardps: a sharded parameter server for PyTorch.")
     p.add_argument("--version", action="version", version=f"shardps {shardps_version()}")
@@ -165,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics over HTTP: worker process K (rank x local ranks + local rank) "
                         "on port P + K, or each on a free port when P is 0; every process prints "
                         "'worker K metrics on HOST:PORT' (default: no metrics endpoint)")
+    d.add_argument("--fresh-job", action="store_true", help=FRESH_JOB_HELP + "; with --worker-index, each worker "
+                   "when it joins, unless the launcher restarted it (TORCHELASTIC_RESTART_COUNT > 0), which continues")
     operator_cli.add_security_flags(d)
     d.set_defaults(run=_train_digits)
     m = train.add_parser("movielens", help="matrix factorisation on MovieLens-100K, user and item tables on the "
@@ -181,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the shuffles (default 0)")
     m.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     m.add_argument("--report", type=Path, help="write a JSON report to this path")
+    m.add_argument("--fresh-job", action="store_true", help=FRESH_JOB_HELP)
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     return p
@@ -228,6 +237,7 @@ def _train_digits(args: argparse.Namespace) -> int:
         push_dtype=args.push_dtype, pull_dtype=args.pull_dtype, progress=not args.no_progress,
         job_name=args.job_name, mode=args.mode, staleness=args.staleness, local_ranks=args.local_ranks,
         security=operator_cli.security_from_args(args), metrics_port=args.metrics_port,
+        resume="refuse" if args.fresh_job else "allow",
     )
     report = run(config)
     _say(
@@ -247,7 +257,8 @@ def _train_movielens(args: argparse.Namespace) -> int:
 
     config = MovieLensConfig(data_dir=args.data_dir, workers=args.workers, shards=args.shards, servers=args.servers,
                              epochs=args.epochs, batch_size=args.batch_size, dim=args.dim, lr=args.lr,
-                             seed=args.seed, progress=not args.no_progress)
+                             seed=args.seed, progress=not args.no_progress,
+                             resume="refuse" if args.fresh_job else "allow")
     try:
         report = run(config)
     except FileNotFoundError as exc:
@@ -297,6 +308,7 @@ def _train_digits_worker(args: argparse.Namespace) -> int:
         seed=args.seed, chunk_bytes=args.chunk_bytes, push_dtype=args.push_dtype, pull_dtype=args.pull_dtype,
         progress=False, job_name=args.job_name, mode=args.mode, staleness=args.staleness,
         local_ranks=args.local_ranks, security=operator_cli.security_from_args(args), metrics_port=args.metrics_port,
+        resume="refuse" if args.fresh_job and restarts == 0 else "allow",  # a restarted rank continues its job
     )
     if not 0 <= index < workers:
         raise ValueError(f"worker index {index} is outside [0, {workers})")

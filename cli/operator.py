@@ -6,7 +6,8 @@
     shardps checkpoint --servers host:port,... [--timeout S]
     shardps export (--servers host:port,... | --checkpoint-dir DIR [--version V])
                    --out model.safetensors|model.pt [--allow-mixed-versions] [--wait-seconds S]
-                   [--num-shards N] [--model-state FILE] [--timeout S]
+                   [--num-shards N] [--model-state FILE] [--tables NAME,...] [--max-message-bytes B]
+                   [--timeout S]
 
 Every command that talks to shards takes the security flags of
 :func:`add_security_flags` (``--tls-ca``, ``--tls-cert``, ``--tls-key``,
@@ -41,6 +42,7 @@ from typing import Callable
 
 from shardps.cli.untrusted import bound, check_stats, checked_text, export_live, json_chunks, printable
 from shardps.common.security import INSECURE_FLAG, ChannelSecurity
+from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 #: Exit status of ``health`` when some shard is not SERVING (0 when every shard is).
 UNHEALTHY = 1
@@ -163,7 +165,10 @@ def add_commands(sub, servers_type: Callable[[str], tuple[str, ...]]) -> None:
     r.add_argument("--servers", type=servers_type, required=True, help="shards host:port,... in shard order")
     r.add_argument("--job-id", default="", help="reset only shards that hold this job")
     r.set_defaults(run=reset)
-    c = sub.add_parser("checkpoint", help="make every shard write a checkpoint now (needs --checkpoint-dir)")
+    c = sub.add_parser("checkpoint", help="make every shard write a checkpoint now (needs --checkpoint-dir)",
+                       description="Print per shard the checkpoint holding its state now (written, or unchanged "
+                                   "since). Exit 0: all are; 1: a shard refused or did not answer; "
+                                   f"{NOTHING_TO_CHECKPOINT}: a shard held no initialised job.")
     c.add_argument("--servers", type=servers_type, required=True, help="shards host:port,... in shard order")
     c.set_defaults(run=checkpoint)
     e = sub.add_parser("export", help="write the model's state_dict from live shards or their checkpoints")
@@ -185,6 +190,13 @@ def add_commands(sub, servers_type: Callable[[str], tuple[str, ...]]) -> None:
                    help="a state_dict of the model to export for (*.safetensors, or *.pt read with "
                         "weights_only=True), e.g. its initial weights: refuse a plan whose parameters or buffers "
                         "it lacks or holds with other shapes; its other entries fill in what the shards do not hold")
+    e.add_argument("--tables", type=_names, default=None, metavar="NAME,...",
+                   help="the sparse tables to export (their names on the shards: by default each module's path in "
+                        "the model); default: every table the shards hold (--servers: as their Stats list them; "
+                        "--checkpoint-dir: as the checkpoints record them)")
+    e.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="B",
+                   help="with --servers: the gRPC message limit (match the shards' --max-message-bytes); a page of "
+                        f"table rows is at most half of it (default {DEFAULT_MAX_MESSAGE_BYTES})")
     e.set_defaults(run=export)
     for name, command in (("stats", s), ("health", h), ("reset", r), ("checkpoint", c), ("export", e)):
         command.add_argument("--timeout", type=float, default=TIMEOUTS[name],
@@ -206,16 +218,19 @@ def _deadline(args: argparse.Namespace) -> float:
     return time.monotonic() + args.timeout
 
 
-def connect(index: int, address: str, deadline: float, security: ChannelSecurity | None):
+def connect(index: int, address: str, deadline: float, security: ChannelSecurity | None,
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     """A ``ShardClient`` to shard ``index`` whose connect, calls and retries end by ``deadline``.
 
     Raises:
-        ConnectionError: the shard did not answer by then. ValueError: the security settings refuse the address.
+        ConnectionError: the shard did not answer by then. ValueError: the security settings refuse the address,
+            or ``max_message_bytes`` is out of range.
     """
     from shardps.worker.session.client import ShardClient
 
     left = max(0.001, deadline - time.monotonic())
-    return bound(ShardClient(address, index=index, connect_timeout=left, security=security), deadline)
+    return bound(ShardClient(address, index=index, connect_timeout=left, security=security,
+                             max_message_bytes=max_message_bytes), deadline)
 
 
 def ask_all(servers: tuple[str, ...], ask: Callable[[int, str], object], deadline: float) -> list[tuple]:
@@ -368,14 +383,32 @@ def reset(args: argparse.Namespace) -> int:
     return each_shard(args, call, "not reset")
 
 
+#: Exit status of ``checkpoint`` when no shard failed but one held no initialised job (nothing to checkpoint there).
+NOTHING_TO_CHECKPOINT = 3
+
+
 def checkpoint(args: argparse.Namespace) -> int:
-    """Ask every shard for a checkpoint; a line per shard; exit 1 if any refused."""
+    """Ask every shard to checkpoint its state now; a line per shard: ``wrote <manifest> (dense version V, sparse
+    round R) in <dir>``, ``unchanged since <manifest> (...) in <dir>: nothing written``, or ``nothing to
+    checkpoint: ...``. Returns 0 (every shard's state is in a checkpoint), 1 (a shard refused, answered outside
+    the protocol or did not answer) or :data:`NOTHING_TO_CHECKPOINT` (none failed; a shard held no initialised job).
+    """
+    nothing: list[int] = []
+
     def call(client, i: int, address: str) -> str:
         reply = client.checkpoint()
         path = printable(checked_text(reply.path, "checkpoint path", i, address), limit=len(reply.path))
-        return f"checkpoint of version {reply.version} in {path}"
+        if reply.no_job:
+            nothing.append(i)
+            return "nothing to checkpoint: the shard holds no initialised job (nothing written)"
+        if not reply.name:  # a shard from before checkpoint names
+            return f"checkpoint of version {reply.version} in {path}"
+        name = printable(checked_text(reply.name, "checkpoint name", i, address), limit=len(reply.name))
+        what = f"{name} (dense version {reply.version}, sparse round {reply.sparse_round}) in {path}"
+        return f"wrote {what}" if reply.written else f"unchanged since {what}: nothing written"
 
-    return each_shard(args, call, "no checkpoint")
+    code = each_shard(args, call, "no checkpoint")
+    return NOTHING_TO_CHECKPOINT if code == 0 and nothing else code
 
 
 def _model_state(path: Path) -> dict:
@@ -401,21 +434,82 @@ def _model_state(path: Path) -> dict:
     return state
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``--tables``: comma-separated table names (``""``: none).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty or repeated name.
+    """
+    names = tuple(n.strip() for n in text.split(",")) if text.strip() else ()
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--tables takes distinct comma-separated names, got {text!r}")
+    return names
+
+
+def release_freed_memory() -> str:
+    """Have glibc's malloc hand freed buffers of 1 MiB or more back at once (a fixed mmap threshold, one arena):
+    an export's resident memory then follows the few pages it holds, not all it ever allocated (the opposite of
+    ``shardps.common.memory.retain_freed_memory``). Skipped where malloc is not glibc's or one of
+    ``shardps.common.memory.GLIBC_ENV`` is set; never raises. Returns what was done (``"released"``) or why not.
+    """
+    import ctypes
+    import ctypes.util
+    import platform
+
+    from shardps.common.memory import GLIBC_ENV, M_ARENA_MAX, M_MMAP_THRESHOLD
+
+    if platform.libc_ver()[0] != "glibc":
+        return "not glibc"
+    if any(name in os.environ for name in GLIBC_ENV):
+        return "malloc settings come from the environment"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 20) and libc.mallopt(M_ARENA_MAX, 1)
+    except (OSError, AttributeError) as exc:
+        return f"malloc left as it is: {exc}"
+    return "released" if ok else "mallopt refused"
+
+
+class ExportProgress:
+    """``progress(table, rows written, rows)``: ``export: table T: 120000/300000 rows (40%)`` on stderr at most
+    every ``every`` seconds, and when a table that took that long is done."""
+
+    def __init__(self, every: float = 2.0) -> None:
+        self.every, self.last, self.table, self.since = every, time.monotonic(), None, time.monotonic()
+
+    def __call__(self, table: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if table != self.table:
+            self.table, self.since = table, now
+        if now - self.last >= self.every or (done >= total and now - self.since >= self.every):
+            self.last = now
+            share = f" ({100 * done // total}%)" if total else ""
+            print(f"export: table {printable(table)}: {done}/{total} rows{share}", file=sys.stderr, flush=True)
+
+
 def export(args: argparse.Namespace) -> int:
-    """Assemble the state_dict and write it to ``args.out`` (nothing is written when refused).
+    """Assemble the state_dict and every sparse table and write them to ``args.out`` (nothing is written when
+    refused).
 
     From ``--servers``: ``shardps.cli.untrusted.export_live`` (torch is imported, and the model allocated,
-    only once every shard's chunks arrived and checked out), all within ``--timeout``.
+    only once every shard's chunks arrived and checked out), all within ``--timeout``; the tables are those of
+    ``--tables``, or every table the shards list in their Stats. From ``--checkpoint-dir``: every table the
+    checkpoints hold (or ``--tables``). Tables are streamed into the
+    ``.safetensors`` file a page at a time (``shardps.worker.table_file``); ``.pt`` refuses them.
     """
     deadline = _deadline(args)
+    release_freed_memory()  # before any channel: gRPC's threads then allocate in the one arena
+    tables = getattr(args, "tables", None)
+    message_bytes = getattr(args, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
     model = _model_state(args.model_state) if args.model_state else None
     if args.servers:
         if args.version or args.num_shards is not None:
             raise ValueError("--version and --num-shards are about checkpoints: use them with --checkpoint-dir")
         security = security_from_args(args)
-        result = export_live(args.servers, connect=lambda i, a: connect(i, a, deadline, security), deadline=deadline,
-                             wait_seconds=args.wait_seconds, allow_mixed_versions=args.allow_mixed_versions,
-                             model=model)
+        result = export_live(args.servers, connect=lambda i, a: connect(i, a, deadline, security, message_bytes),
+                             deadline=deadline, wait_seconds=args.wait_seconds,
+                             allow_mixed_versions=args.allow_mixed_versions, model=model,
+                             max_message_bytes=message_bytes, tables=tables)
     else:
         from shardps.worker import export as exporting
 
@@ -423,11 +517,20 @@ def export(args: argparse.Namespace) -> int:
             raise ValueError("--tls-*/--auth-token-file secure calls to shards: use them with --servers")
         try:
             result = exporting.from_checkpoints(args.checkpoint_dir, args.num_shards, version=args.version,
-                                                model=model, allow_mixed_versions=args.allow_mixed_versions)
+                                                model=model, allow_mixed_versions=args.allow_mixed_versions,
+                                                tables=tables)
         except FileNotFoundError as exc:
             raise RuntimeError(str(exc)) from None
-    path = result.save(args.out)
+    with result:
+        try:
+            path = result.save(args.out, progress=ExportProgress())
+        except OSError as exc:
+            raise RuntimeError(f"cannot write {args.out}: {exc}") from None
+        rows = result.table_rows()
     versions = sorted(set(result.versions))
     at = f"version {versions[0]}" if len(versions) == 1 else f"versions {result.versions} (mixed)"
-    say(f"exported {len(result.state_dict)} tensors of job {printable(result.job_id)} at {at} to {path}")
+    what = f"{len(result.state_dict)} tensors"
+    if result.tables:
+        what += f" and {len(result.tables)} table{'s' if len(result.tables) != 1 else ''} ({rows} trained rows)"
+    say(f"exported {what} of job {printable(result.job_id)} at {at} to {path}")
     return 0

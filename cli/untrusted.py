@@ -27,7 +27,7 @@ import math
 import re
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -300,7 +300,7 @@ def _assemble(plan: PartitionPlan, received: list[_Received]) -> dict:
 
 def export_live(servers: tuple[str, ...], *, connect: Callable[[int, str], object], deadline: float,
                 wait_seconds: float, allow_mixed_versions: bool, model: Mapping | None = None,
-                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tables: Sequence[str] | None = None):
     """Export the live shards' model, allocating only for bytes that arrived and checked out.
 
     The plan comes from shard 0's Stats; its declared sizes are checked in
@@ -312,19 +312,27 @@ def export_live(servers: tuple[str, ...], *, connect: Callable[[int, str], objec
     and each chunk matched to it; only then is torch imported and the model
     allocated. Versions: as ``shardps.worker.export.from_servers``.
 
+    Tables (``tables``, else those the shards list): opened only then
+    (``shardps.worker.table_sources.LiveTables``, every call bounded by ``deadline``), their rows read a page at
+    a time, each checked, when the result is saved; the clients stay open until the result is closed.
+
     Args:
         connect: ``(index, address) -> ShardClient`` with timeouts bounded by ``deadline``.
         deadline: ``time.monotonic()`` by which everything is done, waiting included.
         model: a state_dict the plan must match; its other entries fill in the export.
+        max_message_bytes: the clients' and the shards' message limit (a table page is at most half of it).
+        tables: the names of the tables to export (None: those the shards list, if their protocol does).
 
     Returns:
-        A ``shardps.worker.export.Export``.
+        A ``shardps.worker.export.Export`` (close it when done).
 
     Raises:
         ProtocolError: a reply outside the protocol. RuntimeError: no one job, or versions that
-            do not agree. ShardRpcError, ConnectionError: a shard refused or did not answer in time.
+            do not agree; ``TableError`` (one): a table's specs or sparse rounds differ between shards.
+        ShardRpcError, ConnectionError: a shard refused (a table it does not hold) or did not answer in time.
     """
-    clients = []
+    clients: list = []
+    owned = False
     try:
         for i, address in enumerate(servers):
             clients.append(connect(i, address))
@@ -354,22 +362,30 @@ def export_live(servers: tuple[str, ...], *, connect: Callable[[int, str], objec
                     "restored from an older checkpoint stays behind for good (export anyway with "
                     "--allow-mixed-versions)")
             time.sleep(0.2)  # a round is in flight: read again once it is applied everywhere
-    finally:
-        for c in clients:
-            c.close()
-    frames = sum(len(r.frames) for r in received)
-    if frames < spec.min_chunks or budget[0] != 0:
-        raise ProtocolError(f"the shards sent {frames} chunks ({spec.declared_bytes - budget[0]} bytes) of a plan "
-                            f"of at least {spec.min_chunks} chunks ({spec.declared_bytes} bytes)")
-    try:
-        plan = PartitionPlan.from_proto(stats[0].plan)  # at most `frames` + one chunk per shard: bounded
-    except ValueError as exc:
-        raise ProtocolError(f"the shards' plan cannot be exported: {exc}") from None
-    _match(plan, received)
-    from shardps.worker import export as exporting
+        frames = sum(len(r.frames) for r in received)
+        if frames < spec.min_chunks or budget[0] != 0:
+            raise ProtocolError(f"the shards sent {frames} chunks ({spec.declared_bytes - budget[0]} bytes) of a plan "
+                                f"of at least {spec.min_chunks} chunks ({spec.declared_bytes} bytes)")
+        try:
+            plan = PartitionPlan.from_proto(stats[0].plan)  # at most `frames` + one chunk per shard: bounded
+        except ValueError as exc:
+            raise ProtocolError(f"the shards' plan cannot be exported: {exc}") from None
+        _match(plan, received)
+        from shardps.worker import export as exporting
+        from shardps.worker.table_sources import LiveTables, listed_tables
 
-    exporting.check_plan(plan, model=model, source=f"the job {job_id} the shards hold")
-    state = _assemble(plan, received)
-    for name, value in (model or {}).items():
-        state.setdefault(name, value.detach().clone())
-    return exporting.Export(state, versions, stats[0].job_id)
+        exporting.check_plan(plan, model=model, source=f"the job {job_id} the shards hold")
+        state = _assemble(plan, received)
+        for name, value in (model or {}).items():
+            state.setdefault(name, value.detach().clone())
+        names = list(tables) if tables is not None else (listed_tables(stats[0]) or [])
+        source = None
+        if names:
+            source = LiveTables(clients, names, versions=versions, max_message_bytes=max_message_bytes,
+                                before_call=lambda c: bound(c, deadline), allow_mixed_versions=allow_mixed_versions)
+            owned = True
+        return exporting.Export(state, versions, stats[0].job_id, source)
+    finally:
+        if not owned:
+            for c in clients:
+                c.close()

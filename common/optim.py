@@ -2,8 +2,12 @@
 
 Only element-wise optimizers can be sharded by chunk: each element's update
 depends on that element's gradient and state alone, so running the class
-over a shard's flat slice gives bit-for-bit the math of running it over the
-whole model (the ZeRO observation, Rajbhandari et al., SC 2020). Optimizers
+over a shard's flat slice gives the math of running it over the whole model
+(the ZeRO observation, Rajbhandari et al., SC 2020): the same operations per
+element, equal to float32 rounding. Bit for bit only where both cut the
+tensors at the same places: torch's fused CPU kernels round the last few
+elements of each tensor (their scalar tail) differently from the vectorised
+body on AVX2/AVX-512, and shard boundaries fall anywhere. Optimizers
 with per-tensor quantities (LAMB, LARS, LBFGS, Adafactor, ...) are rejected.
 """
 

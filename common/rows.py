@@ -8,9 +8,15 @@ count, and need no table of ids (a collisionless, hashed table as
 Monolith's, Liu et al. 2022).
 
 - placement: ``shard_of(name, ids, S) = mix(ids ^ salt(name)) mod S``;
-- initialisation: element ``j`` of row ``id`` is
-  ``init_scale * (2 * u - 1)`` with ``u = (mix(mix(id ^ salt(name, seed)) + j) >> 40) / 2**24``:
-  uniform in ``[-init_scale, init_scale)`` on a grid of 2**-23 * init_scale.
+- initialisation: element ``j`` of row ``id`` draws ``z = mix(mix(id ^ salt(name, seed)) + j)``
+  and ``u = (z >> 40) / 2**24`` (uniform in ``[0, 1)`` on a grid of 2**-24); by the spec's ``init``:
+
+  - ``""`` (the default): ``init_scale * (2 * u - 1)``, uniform in ``[-init_scale, init_scale)``;
+  - ``"uniform"`` ``(a, b)``: ``a + (b - a) * u``;
+  - ``"normal"`` ``(mean, std)``: ``mean + std * sqrt(-2 ln(1 - u)) * cos(2 pi v)`` with
+    ``v = ((z >> 16) mod 2**24) / 2**24`` (Box and Muller, 1958);
+  - ``"zeros"``: 0; ``"constant"`` ``(c)``: ``c``.
+
   The padding id (``padding_idx``) reads as zeros.
 """
 
@@ -18,22 +24,31 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 
-__all__ = ["TableSpec", "OPTIMIZERS", "shard_of", "shard_of_salted", "placement_salt", "initial_rows", "initial_rows_salted", "salt", "check_ids", "ids_bytes", "ids_from",
-           "rows_bytes", "rows_from", "state_widths"]
+__all__ = ["TableSpec", "OPTIMIZERS", "INITS", "parse_init", "shard_of", "shard_of_salted", "placement_salt", "initial_rows", "initial_rows_salted", "salt", "check_ids", "ids_bytes", "ids_from",
+           "rows_bytes", "rows_from", "state_widths", "FLOAT32_MAX", "lr_problem", "check_lr",
+           "hyperparam_problems", "check_hyperparams"]
 
 #: Row-wise optimizers the shards run, with their hyperparameters (lr travels with every push) and defaults.
+#: ``weight_decay`` is applied to the rows a step touches only (an untouched row is not decayed);
+#: ``adam`` is torch.optim.Adam's update on the touched rows (lazy Adam), ``decoupled_weight_decay`` 1.0
+#: its AdamW decay (Loshchilov and Hutter, ICLR 2019); ``sparse_adam`` is torch.optim.SparseAdam's.
 OPTIMIZERS: dict[str, dict[str, float]] = {
-    "sgd": {},
-    "adagrad": {"lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10},
-    "rowwise_adagrad": {"initial_accumulator_value": 0.0, "eps": 1e-10},
+    "sgd": {"weight_decay": 0.0},
+    "adagrad": {"lr_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "weight_decay": 0.0},
+    "rowwise_adagrad": {"initial_accumulator_value": 0.0, "eps": 1e-10, "weight_decay": 0.0},
     "sparse_adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+    "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "decoupled_weight_decay": 0.0},
 }
+
+#: Row initialisers (``TableSpec.init``) and the number of arguments each takes (module docstring).
+INITS: dict[str, int] = {"": 0, "uniform": 2, "normal": 2, "zeros": 0, "constant": 1}
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,12 +99,34 @@ def shard_of_salted(ids: torch.Tensor, salts, num_shards: int) -> torch.Tensor:
 
 
 def initial_rows(name: str, ids: torch.Tensor, dim: int, seed: int, init_scale: float,
-                 padding_idx: int = -1) -> torch.Tensor:
-    """The rows ids start from: float32 ``[n, dim]`` for int64 ``ids`` ``[n]`` (see the module docstring)."""
-    rows = initial_rows_salted(ids, salt(name, seed), dim, init_scale)
+                 padding_idx: int = -1, init: str = "", init_args: tuple[float, ...] = ()) -> torch.Tensor:
+    """The rows ids start from: float32 ``[n, dim]`` for int64 ``ids`` ``[n]`` (see the module docstring;
+    ``init``, ``init_args`` as :class:`TableSpec`'s)."""
+    rows = initial_rows_salted(ids, salt(name, seed), dim, init_scale) if not init else \
+        initial_rows_by(ids, salt(name, seed), dim, init, init_args)
     if padding_idx >= 0:
         rows[ids.reshape(-1) == padding_idx] = 0.0
     return rows
+
+
+def initial_rows_by(ids: torch.Tensor, salt_: int, dim: int, init: str, init_args: tuple[float, ...]) -> torch.Tensor:
+    """Initial rows of one table with initialiser ``init`` (not ``""``): float32 ``[n, dim]`` for int64 ``ids``
+    ``[n]``, padding rows not zeroed (module docstring)."""
+    ids = ids.reshape(-1, 1)
+    if init == "zeros":
+        return torch.zeros(ids.shape[0], dim, device=ids.device)
+    if init == "constant":
+        return torch.full((ids.shape[0], dim), float(init_args[0]), device=ids.device)
+    z = mix(mix(ids ^ salt_) + torch.arange(dim, dtype=torch.int64, device=ids.device))
+    u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+    if init == "uniform":
+        a, b = float(init_args[0]), float(init_args[1])
+        return u * (b - a) + a
+    if init == "normal":
+        v = (_shr(z, 16) & ((1 << 24) - 1)).to(torch.float32) * (1.0 / (1 << 24))
+        radius = torch.log1p(-u).mul_(-2.0).sqrt_()
+        return radius.mul_(torch.cos(v * (2.0 * math.pi))).mul_(float(init_args[1])).add_(float(init_args[0]))
+    raise ValueError(f"unknown row initialiser {init!r} (one of {sorted(k for k in INITS if k)})")
 
 
 def initial_rows_salted(ids: torch.Tensor, salts, dim: int, scales) -> torch.Tensor:
@@ -98,9 +135,33 @@ def initial_rows_salted(ids: torch.Tensor, salts, dim: int, scales) -> torch.Ten
     float32 ``[n]``). Returns float32 ``[n, dim]``."""
     ids = ids.reshape(-1, 1)
     base = mix(ids ^ (salts if isinstance(salts, int) else salts.reshape(-1, 1)))
-    z = mix(base + torch.arange(dim, dtype=torch.int64))
+    z = mix(base + torch.arange(dim, dtype=torch.int64, device=ids.device))
     u = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
     return (u * 2.0 - 1.0) * (float(scales) if not isinstance(scales, torch.Tensor) else scales.reshape(-1, 1))
+
+
+def parse_init(init) -> tuple[str, tuple[float, ...]]:
+    """A row initialiser as a module takes it, as ``(TableSpec.init, TableSpec.init_args)``: None (uniform in
+    ``[-init_scale, init_scale)``), ``"zeros"``, ``("uniform", a, b)``, ``("normal", mean, std)``,
+    ``("constant", c)``.
+
+    Raises:
+        ValueError: an unknown initialiser or the wrong arguments (the message lists the forms).
+    """
+    forms = "None, 'zeros', ('uniform', a, b), ('normal', mean, std) or ('constant', c)"
+    if init is None:
+        return "", ()
+    kind, *args = (init,) if isinstance(init, str) else tuple(init) if isinstance(init, (tuple, list)) else (None,)
+    if kind not in INITS or not kind or len(args) != INITS[kind]:
+        raise ValueError(f"init must be {forms}, got {init!r}")
+    try:
+        values = tuple(float(a) for a in args)
+    except (TypeError, ValueError):
+        raise ValueError(f"init must be {forms} with numbers, got {init!r}") from None
+    if not all(math.isfinite(v) for v in values) or (kind == "uniform" and not values[0] < values[1]) or \
+            (kind == "normal" and not values[1] >= 0):
+        raise ValueError(f"init {init!r}: arguments must be finite, with a < b for uniform and std >= 0 for normal")
+    return kind, values
 
 
 def check_ids(ids: torch.Tensor, what: str, num_embeddings: int = 0) -> None:
@@ -151,7 +212,89 @@ def rows_from(data: bytes, n: int, dim: int) -> torch.Tensor:
 def state_widths(optimizer: str, dim: int) -> dict[str, int]:
     """Optimizer state per row: ``{name: width}`` (float32 values per row)."""
     return {"sgd": {}, "adagrad": {"sum": dim}, "rowwise_adagrad": {"sum": 1},
-            "sparse_adam": {"exp_avg": dim, "exp_avg_sq": dim}}[optimizer]
+            "sparse_adam": {"exp_avg": dim, "exp_avg_sq": dim}, "adam": {"exp_avg": dim, "exp_avg_sq": dim}}[optimizer]
+
+
+#: The largest finite float32. A learning rate or hyperparameter above it cannot scale a float32 row (torch
+#: raises "value cannot be converted to type float without overflow"), so tables refuse it.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (OverflowError: past :data:`FLOAT32_MAX`)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def lr_problem(lr) -> str | None:
+    """Why ``lr`` cannot be a table's learning rate (None: it can): it must be a finite number, ``>= 0``, and
+    at most :data:`FLOAT32_MAX` (the update multiplies float32 rows by it)."""
+    try:
+        lr = float(lr)
+    except (TypeError, ValueError):
+        return f"{lr!r} is not a number"
+    if not (math.isfinite(lr) and lr >= 0):
+        return f"{lr} is not finite and >= 0"
+    if lr > FLOAT32_MAX:
+        return f"{lr} is past float32's range (at most {FLOAT32_MAX:.4g}: the update multiplies float32 rows by it)"
+    return None
+
+
+def check_lr(table: str, lr) -> float:
+    """``lr`` as a float, checked (:func:`lr_problem`).
+
+    Raises:
+        ValueError: the message names ``table`` and the learning rate.
+    """
+    problem = lr_problem(lr)
+    if problem is not None:
+        raise ValueError(f"learning rate of table {table!r}: {problem}; it must be finite, >= 0 and at most "
+                         f"{FLOAT32_MAX:.4g}")
+    return float(lr)
+
+
+def hyperparam_problems(optimizer: str, hyper: dict[str, float]) -> list[str]:
+    """What is wrong with ``optimizer``'s hyperparameters ``hyper`` (:data:`OPTIMIZERS`' names, defaults filled
+    in or not), one ``name: why`` per setting; empty when the table can run them.
+
+    The ranges are torch's own checks (``torch.optim.Adagrad``: ``lr_decay``, ``initial_accumulator_value``,
+    ``weight_decay`` >= 0; ``Adam``/``SparseAdam``: ``0 <= beta < 1``; ``weight_decay >= 0``), and stricter in
+    two ways: ``eps`` must be > 0 as a float32 for every optimizer (torch's Adagrad and Adam take 0, and a
+    zero gradient on a zero accumulator then divides 0 by 0), and every value must be finite and within
+    float32's range (it scales float32 rows). ``decoupled_weight_decay`` is 0 or 1.
+    """
+    problems = []
+    for name, value in hyper.items():
+        try:
+            value = float(value)
+            scaled = _float32(value)
+        except (TypeError, ValueError, OverflowError):
+            problems.append(f"{name}: {value!r} is not a finite number within float32's range (|x| <= "
+                            f"{FLOAT32_MAX:.4g})")
+            continue
+        if not math.isfinite(scaled):
+            problems.append(f"{name}: {value!r} is not finite")
+        elif name in ("beta1", "beta2") and not 0.0 <= value < 1.0:
+            problems.append(f"{name}: {value!r} is not in [0, 1) (torch's Adam and SparseAdam require "
+                            "0 <= beta < 1)")
+        elif name == "eps" and not scaled > 0.0:
+            problems.append(f"{name}: {value!r} is not > 0 as a float32 (eps 0 divides 0 by 0 where a row's "
+                            "gradient and accumulator are zero)")
+        elif name in ("lr_decay", "initial_accumulator_value", "weight_decay") and not value >= 0.0:
+            problems.append(f"{name}: {value!r} is not >= 0 (torch's optimizers require {name} >= 0)")
+        elif name == "decoupled_weight_decay" and value not in (0.0, 1.0):
+            problems.append(f"{name}: {value!r} is neither 0 nor 1")
+    return problems
+
+
+def check_hyperparams(optimizer: str, hyper: dict[str, float], table: str) -> None:
+    """Refuse hyperparameters a table's rows cannot be stepped with (:func:`hyperparam_problems`).
+
+    Raises:
+        ValueError: the message names ``table``, the optimizer and every setting at fault.
+    """
+    problems = hyperparam_problems(optimizer, hyper)
+    if problems:
+        raise ValueError(f"table {table!r}: {optimizer} cannot run with {'; '.join(problems)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,9 +306,11 @@ class TableSpec:
         embedding_dim: values per row (1 to 65536).
         num_embeddings: 0: hashed, any int64 id; N > 0: ids in ``[0, N)``.
         padding_idx: the id that reads as zeros and is never trained (-1: none).
-        optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``sparse_adam`` (see :data:`OPTIMIZERS`).
+        optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``sparse_adam`` or ``adam`` (see :data:`OPTIMIZERS`).
         hyperparams: the optimizer's hyperparameters other than lr (defaults filled in).
         seed, init_scale: row initialisation (module docstring); init_scale None: ``1/sqrt(embedding_dim)``.
+        init, init_args: the row initialiser (:data:`INITS`; ``""``: uniform in ``[-init_scale, init_scale)``)
+            and its arguments: ``uniform (a, b)``, ``normal (mean, std)``, ``zeros ()``, ``constant (c)``.
         min_count: sightings before an id becomes a trained row (0 or 1: at once).
         ttl_rounds: evict rows not pushed for this many rounds (0: never).
         capacity: rows per shard, least recently pushed evicted beyond it (0: no limit).
@@ -183,6 +328,8 @@ class TableSpec:
     hyperparams: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     init_scale: float | None = None
+    init: str = ""
+    init_args: tuple[float, ...] = ()
     min_count: int = 0
     ttl_rounds: int = 0
     capacity: int = 0
@@ -206,14 +353,29 @@ class TableSpec:
         full = {**OPTIMIZERS[self.optimizer], **{k: float(v) for k, v in self.hyperparams.items()}}
         if not all(math.isfinite(v) for v in full.values()):
             raise ValueError(f"table {self.name!r}: hyperparameters must be finite, got {full}")
+        check_hyperparams(self.optimizer, full, self.name)
         object.__setattr__(self, "hyperparams", full)
         if self.init_scale is None:
             object.__setattr__(self, "init_scale", 1.0 / math.sqrt(self.embedding_dim))
         if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
             raise ValueError(f"table {self.name!r}: init_scale must be finite and >= 0, got {self.init_scale}")
+        if self.init not in INITS:
+            raise ValueError(f"table {self.name!r}: init {self.init!r} is not one of {sorted(k for k in INITS if k)}")
+        args = tuple(float(a) for a in self.init_args)
+        if len(args) != INITS[self.init] or not all(math.isfinite(a) for a in args):
+            raise ValueError(f"table {self.name!r}: init {self.init or 'uniform(-init_scale, init_scale)'} takes "
+                             f"{INITS[self.init]} finite argument(s), got {self.init_args!r}")
+        if (self.init == "uniform" and not args[0] < args[1]) or (self.init == "normal" and not args[1] >= 0):
+            raise ValueError(f"table {self.name!r}: init {self.init}{args} needs a < b (uniform) or std >= 0 (normal)")
+        object.__setattr__(self, "init_args", args)
         for name in ("seed", "min_count", "ttl_rounds", "capacity", "max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"table {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows int64 ``ids`` ``[n]`` start from (and read as while not trained): float32 ``[n, dim]``."""
+        return initial_rows(self.name, ids, self.embedding_dim, self.seed, self.init_scale, self.padding_idx,
+                            self.init, self.init_args)
 
     def row_bytes(self) -> int:
         """Bytes of one row's weights and optimizer state (float32)."""
@@ -222,7 +384,8 @@ class TableSpec:
     def to_proto(self) -> pb.TableSpec:
         return pb.TableSpec(name=self.name, embedding_dim=self.embedding_dim, num_embeddings=self.num_embeddings,
                             padding_idx=self.padding_idx, optimizer=self.optimizer, hyperparams=self.hyperparams,
-                            seed=self.seed, init_scale=self.init_scale, min_count=self.min_count,
+                            seed=self.seed, init_scale=self.init_scale, init=self.init, init_args=self.init_args,
+                            min_count=self.min_count,
                             ttl_rounds=self.ttl_rounds, capacity=self.capacity, max_bytes=self.max_bytes)
 
     @classmethod
@@ -230,7 +393,8 @@ class TableSpec:
         """Raises ValueError: a field out of range."""
         return cls(name=m.name, embedding_dim=m.embedding_dim, num_embeddings=m.num_embeddings,
                    padding_idx=m.padding_idx, optimizer=m.optimizer, hyperparams=dict(m.hyperparams), seed=m.seed,
-                   init_scale=m.init_scale, min_count=m.min_count, ttl_rounds=m.ttl_rounds, capacity=m.capacity,
+                   init_scale=m.init_scale, init=m.init, init_args=tuple(m.init_args), min_count=m.min_count,
+                   ttl_rounds=m.ttl_rounds, capacity=m.capacity,
                    max_bytes=m.max_bytes)
 
     def differences(self, other: "TableSpec") -> list[str]:

@@ -191,7 +191,7 @@ class StatsRequest(_message.Message):
     def __init__(self, digest: _Optional[bool] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan", "mode", "staleness_histogram", "clocks")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan", "mode", "staleness_histogram", "clocks", "checkpoint_name", "checkpoint_sparse_round", "restored_checkpoint", "restored_sparse_round", "tables")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,11 @@ class StatsReply(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SPARSE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_SPARSE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -260,7 +265,12 @@ class StatsReply(_message.Message):
     mode: ModeSpec
     staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     clocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    checkpoint_name: str
+    checkpoint_sparse_round: int
+    restored_checkpoint: str
+    restored_sparse_round: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ..., checkpoint_name: _Optional[str] = ..., checkpoint_sparse_round: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., restored_sparse_round: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
     __slots__ = ("min_version",)
@@ -273,12 +283,20 @@ class CheckpointRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("version", "path")
+    __slots__ = ("version", "path", "name", "sparse_round", "written", "no_job")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NO_JOB_FIELD_NUMBER: _ClassVar[int]
     version: int
     path: str
-    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    name: str
+    sparse_round: int
+    written: bool
+    no_job: bool
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., name: _Optional[str] = ..., sparse_round: _Optional[int] = ..., written: _Optional[bool] = ..., no_job: _Optional[bool] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("key", "offset", "numel", "dtype", "version", "crc32", "state", "pad")
@@ -417,7 +435,7 @@ class SetStateReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes")
+    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes", "init", "init_args")
     class HyperparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +455,8 @@ class TableSpec(_message.Message):
     TTL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_ARGS_FIELD_NUMBER: _ClassVar[int]
     name: str
     embedding_dim: int
     num_embeddings: int
@@ -449,7 +469,9 @@ class TableSpec(_message.Message):
     ttl_rounds: int
     capacity: int
     max_bytes: int
-    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    init: str
+    init_args: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DeclareTablesRequest(_message.Message):
     __slots__ = ("worker_id", "session", "tables")

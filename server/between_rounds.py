@@ -1,10 +1,10 @@
-"""Calls served between rounds: a shard's optimizer state, its parameters (export), a checkpoint now.
+"""Calls served between rounds: a shard's optimizer state and its parameters (export).
 
 ``GetState``/``SetState`` carry the optimizer state of the shard's keys
 (``dense/optimizer_state.py`` encodes it; workers use them for
 ``state_dict()`` and ``load_state_dict()``); ``Export`` streams the
-parameters to operators and ``Checkpoint`` writes one now
-(``snapshots/checkpoints.py``). Each waits for a round being applied to
+parameters to operators (a checkpoint now is ``snapshots/checkpoints.py``'s
+``Checkpoints.reply``). Each waits for a round being applied to
 finish, never for rounds to come. They run on the shard's event loop like
 :class:`~shardps.server.store.ShardStore`, and use only its public names.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.server import checks
-from shardps.server.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from shardps.server.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from shardps.server.dense.optimizer import StateError
 from shardps.server.dense.optimizer_state import decode_state, encode_state
 
@@ -109,22 +109,3 @@ class BetweenRounds:
             raise FailedPrecondition(f"shard {self._store.config.shard_index} is at version {self._store.version}, below "
                                      f"{request.min_version}; export again later")
         return self._store.pull(self._store.version, pb.FLOAT32)
-
-    async def checkpoint(self) -> pb.CheckpointReply:
-        """Write a checkpoint now (the operator's ``shardps checkpoint``).
-
-        Raises:
-            FailedPrecondition: no ``--checkpoint-dir``, or no initialised job.
-            Unavailable: the disk refused (the message says why; older checkpoints are kept).
-        """
-        self._store.check_open()
-        directory = self._store.checkpoints.directory
-        if directory is None:
-            raise FailedPrecondition(f"shard {self._store.config.shard_index} was started without --checkpoint-dir")
-        try:
-            version = await self._store.checkpoints.write()
-        except OSError as exc:
-            raise Unavailable(f"shard {self._store.config.shard_index}: writing the checkpoint failed: {exc}") from None
-        if not version:
-            raise FailedPrecondition(f"shard {self._store.config.shard_index} holds no initialised job to checkpoint")
-        return pb.CheckpointReply(version=version, path=str(directory))

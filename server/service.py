@@ -33,7 +33,7 @@ from shardps.common.transport import channel_options
 from shardps.server import checks, streams
 from shardps.server.auth import HANDLER_KINDS, BearerTokenInterceptor
 from shardps.server.config import ShardConfig
-from shardps.server.errors import InvalidArgument, ShardError, stopped_with
+from shardps.server.errors import InvalidArgument, ResourceExhausted, ShardError, stopped_with
 from shardps.server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,9 @@ class ShardServicer:
 
     @_unary
     async def Stats(self, request: bytes, context) -> pb.StatsReply:
-        return await self.store.stats(_parse(pb.StatsRequest, request, "stats"))
+        req = _parse(pb.StatsRequest, request, "stats")
+        _check_stats_size(self.store, req.plan)
+        return await self.store.stats(req)
 
     @_streaming
     async def Export(self, request: bytes, context) -> AsyncIterator[bytes]:
@@ -217,28 +219,64 @@ class ShardServicer:
     @_unary
     async def Checkpoint(self, request: bytes, context) -> pb.CheckpointReply:
         _parse(pb.CheckpointRequest, request, "checkpoint")
-        return await self.store.between_rounds.checkpoint()
+        return await self.store.checkpoints.reply()
 
     @_unary
     async def DeclareTables(self, request: bytes, context) -> pb.DeclareTablesReply:
         return self.store.tables.declare(_parse(pb.DeclareTablesRequest, request, "declare_tables"))
 
     @_unary
-    async def PullRows(self, request: bytes, context) -> pb.PullRowsReply:
+    async def PullRows(self, request: bytes, context) -> bytes:
+        # the reply's bytes, sized and held against the memory budget until the call ends (sparse/replies.py)
         req = _parse(pb.PullRowsRequest, request, "pull_rows")
-        return await self.store.tables.pull(req, context.time_remaining())
+        return await self.store.tables.pull(req, context.time_remaining(), sent=context.add_done_callback)
 
     @_unary
     async def PushRows(self, request: bytes, context) -> pb.PushRowsReply:
         return await self.store.tables.push(_parse(pb.PushRowsRequest, request, "push_rows"), context.time_remaining())
 
     @_unary
-    async def ExportRows(self, request: bytes, context) -> pb.ExportRowsReply:
-        return await self.store.tables.export(_parse(pb.ExportRowsRequest, request, "export_rows"))
+    async def ExportRows(self, request: bytes, context) -> bytes:
+        return await self.store.tables.export(_parse(pb.ExportRowsRequest, request, "export_rows"),
+                                              sent=context.add_done_callback)
+
+
+def _check_stats_size(store: ShardStore, with_plan: bool) -> None:
+    """Refuse a Stats reply over the shard's send limit before it is built. What grows in it: the members' ids
+    (``members``, ``pushed``, ``clocks``: at most ``--max-workers`` of ``--max-id-chars``), the members a restored
+    checkpoint still waits for, the tables' specs (at most 64), and the plan when asked (as large as the Join or
+    the checkpoint that brought it).
+
+    Raises:
+        ResourceExhausted: naming the sizes and ``--max-message-bytes``.
+    """
+    ids = store.members.ids()
+    members = sum(len(w.encode()) + 6 for w in ids) + sum(len(w.encode()) + 6 for w in store.rounds.rejoining)
+    tables = sum(len(t.spec.to_proto().SerializeToString()) + 6 for t in store.tables.tables.values())
+    plan = len(store.job.plan_bytes) + 6 if with_plan and store.job is not None else 0
+    size = 2 * members + 11 * (len(ids) + len(store.rounds.staleness.counts)) + tables + plan + (16 << 10)
+    limit = store.config.max_message_bytes
+    if size > limit:
+        raise ResourceExhausted(
+            f"the Stats reply would take up to {size} bytes ({len(ids)} members' ids: {members} bytes, "
+            f"{len(store.tables.tables)} tables' specs: {tables} bytes, the plan: {plan} bytes), over the shard's "
+            f"message limit of {limit} bytes (--max-message-bytes): ask without the plan, or raise "
+            "--max-message-bytes")
+
+
+def _serializer(cls):
+    """``cls.SerializeToString``, passing ``bytes`` through: a reply its handler encoded itself (PullRows,
+    ExportRows: ``sparse/replies.py``) is sent as it is, never copied into a message and out again."""
+
+    def serialize(reply) -> bytes:
+        return reply if isinstance(reply, bytes) else cls.SerializeToString(reply)
+
+    return serialize
 
 
 def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
-    """Handlers for every method of ``shardps.v1.Shard``: raw-bytes requests, Frame responses stay raw."""
+    """Handlers for every method of ``shardps.v1.Shard``: raw-bytes requests, Frame responses stay raw, and so
+    do replies a handler returns as bytes (:func:`_serializer`)."""
     handlers = {}
     for method in SERVICE.methods:
         response_raw = method.output_type.name == "Frame"
@@ -246,7 +284,7 @@ def generic_handler(servicer: ShardServicer) -> grpc.GenericRpcHandler:
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=None,
-            response_serializer=None if response_raw else getattr(pb, method.output_type.name).SerializeToString,
+            response_serializer=None if response_raw else _serializer(getattr(pb, method.output_type.name)),
         )
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 

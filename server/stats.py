@@ -79,6 +79,10 @@ def stats_reply(store, digest: str = "", with_plan: bool = False) -> pb.StatsRep
         checkpoint_unix_seconds=store.checkpoints.latest[1],
         incarnation=store.incarnation,
         restored_version=store.checkpoints.restored,
+        checkpoint_name=store.checkpoints.latest_name,
+        checkpoint_sparse_round=store.checkpoints.latest_round,
+        restored_checkpoint=store.checkpoints.restored_name,
+        restored_sparse_round=store.checkpoints.restored_round,
         pushes_accepted=rounds.pushes_accepted,
         contributions_applied=rounds.contributions_applied,
         pushes_dropped=rounds.pushes_dropped,
@@ -87,6 +91,7 @@ def stats_reply(store, digest: str = "", with_plan: bool = False) -> pb.StatsRep
         mode=job.mode.to_proto() if job is not None and job.mode is not None else None,
         staleness_histogram=rounds.staleness.counts,
         clocks=[] if rounds.mode.synchronous else [members.find(w).clock for w in members.ids()],
+        tables=[t.spec.to_proto() for t in store.tables.tables.values()],
     )
 
 

@@ -264,7 +264,9 @@ class ShardStore:
         member = self.members.get(header.worker_id, header.session)
         if not job.initialised:
             raise FailedPrecondition("this shard has not been initialised yet: pull version 0 first")
-        received, needs_commit = await self.rounds.push(member, header, frames, can_commit=can_commit)
+        # every chunk that arrives renews the member's lease: a push slower than the lease keeps its member
+        received, needs_commit = await self.rounds.push(member, header, self.members.renewing(member, frames),
+                                                        can_commit=can_commit)
         self._push_bytes += received
         return needs_commit
 
@@ -277,7 +279,7 @@ class ShardStore:
         member = self.members.get(header.worker_id, header.session)
         if not job.initialised:
             raise FailedPrecondition("this shard has not been initialised yet: pull version 0 first")
-        async for frame in self.rounds.streamed.push_pull(member, header, frames):
+        async for frame in self.rounds.streamed.push_pull(member, header, self.members.renewing(member, frames)):
             yield frame
 
     async def wait_report(self, worker_id: str, session: str, round_: int, timeout: float | None) -> pb.RoundReport:

@@ -2,11 +2,25 @@
 
 Shards run as ``python -m shardps.cli.server`` subprocesses (the worker package
 never imports the server package).
+
+The shards end with the script that started them, however it ends:
+``stop()`` (the ``with`` block's end), or, for a script that never called
+it, at interpreter exit (``shardps.worker.session.exit``: after the script's
+optimizers have left them), or, when the script is killed by a signal (no
+exit handler runs: SIGTERM without a handler, SIGKILL, the OOM killer), by
+the kernel: on Linux each shard is started with ``PR_SET_PDEATHSIG``
+(``prctl(2)``) set to SIGTERM, so it gets SIGTERM, its clean shutdown, as soon
+as the thread that started it ends. That is why the signal is armed only for
+shards started from the main thread (whose end is the process's end); a shard
+started from another thread (``restart`` called from a helper thread) relies
+on ``stop()`` and the exit handler alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import re
 import select
 import shutil
@@ -14,17 +28,52 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shardps.common.cores import usable_cores
+from shardps.worker.session.exit import close_at_exit, forget
 
 log = logging.getLogger(__name__)
+
+#: ``prctl(2)``'s option that sends the child a signal when the thread that forked it ends (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``subprocess.Popen`` ``preexec_fn`` that makes the child get SIGTERM when this process ends, or None.
+
+    Linux only, and only when called from the main thread (the kernel signals
+    the child when the *thread* that forked it ends). The C function is
+    looked up here, before the fork; the child only calls it, then checks
+    that this process did not end before the signal was armed (the child then
+    sends the signal to itself). None where ``prctl`` is not available: the caller's
+    ``stop()`` and exit handler still stop the child.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, sig = os.getpid(), int(signal.SIGTERM)
+
+    def arm() -> None:  # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent ended before the signal was armed: as if it had come
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 
 class LocalCluster:
     """Start ``num_shards`` shard processes; use as a context manager.
+
+    A cluster never stopped is stopped when the script that started it ends,
+    however it ends (see the module docstring).
 
     Args:
         num_shards: shard processes to start.
@@ -78,6 +127,7 @@ class LocalCluster:
         self.endpoints: list[dict[str, str]] = []
         self.processes: list[subprocess.Popen] = []
         self._log_dir: Path | None = None
+        self._exit_key = 0  # stop() at interpreter exit while started (shardps.worker.session.exit)
 
     @property
     def metrics_addresses(self) -> list[str]:
@@ -109,10 +159,18 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "shardps.cli.server", *self.shard_args(shard, port)]
         with open(self.log_path(shard), "ab") as err:
             # unbuffered: select() must see every line the shard printed (a buffered readline could swallow two)
-            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, bufsize=0)
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, bufsize=0,
+                                    preexec_fn=die_with_parent())  # SIGTERM when this process is killed
 
     def start(self) -> "LocalCluster":
+        """Start the shards and wait until each serves; they are stopped at interpreter exit if ``stop()`` was not
+        called (and when this process is killed: see the module docstring).
+
+        Raises:
+            RuntimeError: a shard exited or did not report its address in time (every shard is stopped then).
+        """
         self._log_dir = Path(tempfile.mkdtemp(prefix="shardps-cluster-"))
+        self._exit_key = close_at_exit(self.stop)
         try:
             for i in range(self.num_shards):
                 self.processes.append(self._spawn(i))
@@ -179,6 +237,7 @@ class LocalCluster:
         Returns:
             Each shard's exit code (0 is a clean shutdown).
         """
+        forget(self._exit_key)
         for proc in self.processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

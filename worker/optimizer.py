@@ -24,7 +24,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,9 +34,9 @@ from shardps.common.memory import retain_freed_memory
 from shardps.common.addresses import parse_servers
 from shardps.common.plan import Chunk, PartitionPlan, keys_from_named_parameters
 from shardps.worker import optimizer_state as optimizer_state
-from shardps.worker.job import JobView
+from shardps.worker.job import JobView, check_resume
 from shardps.worker.config import ConsistencyOptions, ObservabilityOptions, WireOptions, moved_keywords_error
-from shardps.worker.session.client import ShardClient, ShardRpcError
+from shardps.worker.session.client import ShardClient
 from shardps.worker.pipeline.commit import RoundOptions, await_decision, record_found_inf
 from shardps.worker.pipeline.own import OwnGradient
 from shardps.worker.session.join import JoinPlan, join_job
@@ -45,6 +44,7 @@ from shardps.worker.session.recovery import Recovery
 from shardps.worker.session.retry import RetryPolicy
 from shardps.worker.pipeline.overlap import ForwardWaits
 from shardps.worker.session.leases import Leases
+from shardps.worker.session.exit import DaemonPool, close_at_exit
 from shardps.worker.session.waits import WaitWatcher
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
@@ -134,9 +134,19 @@ class DistributedOptimizer(RoundSteps, JobView):
             ``metrics_host``, ``metrics_registry``, ``on_membership_change``).
             ``self.metrics`` records the metrics whether or not they are served;
             ``self.metrics_port`` is the port bound (None: not served).
+        resume: what to do when the shards already hold this job past version 0 (a
+            script run again against the same shards, a worker restarted or joining
+            late): ``"allow"`` (default) continues it, from the shards' parameters,
+            and logs a WARNING ``continuing job J at version V; `shardps reset`
+            starts over``; ``"refuse"`` raises ``RunningJobError`` instead and
+            leaves the shards. A job at version 0 (a worker of the same run started
+            it moments ago) is joined either way. ``"refuse"`` is for scripts that
+            must start from scratch: with it, every worker of a run must join before
+            the first round (shards started with ``--min-workers`` = the workers).
 
     A keyword that moved into a group (``mode=``, ``chunk_bytes=``, ``metrics_port=``...)
-    raises a ``TypeError`` naming the group to put it in.
+    raises a ``TypeError`` naming the group to put it in. An optimizer never
+    closed is closed at interpreter exit (``shardps.worker.session.exit``).
 
     ``last_timeline`` is the timeline of the last round whose pull landed,
     in seconds from the step's first push (its first gradient hook):
@@ -154,6 +164,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         TypeError: a keyword this class does not take (a moved one names its group),
             or an option group of the wrong type.
         ValueError: bad arguments (the message names the fix).
+        shardps.worker.job.RunningJobError: ``resume="refuse"`` and the job is past version 0.
         shardps.common.optim.OptimizerSpecError: an optimizer the shards cannot run.
         ConnectionError: a shard did not answer.
         ShardRpcError: a shard refused to join (e.g. a plan mismatch).
@@ -179,10 +190,12 @@ class DistributedOptimizer(RoundSteps, JobView):
         wire: WireOptions = WireOptions(),
         observability: ObservabilityOptions = ObservabilityOptions(),
         sparse_optimizer: torch.optim.Optimizer | None = None,
+        resume: str = "allow",
         **legacy,
     ) -> None:
         if legacy:
             raise moved_keywords_error(legacy)
+        check_resume(resume)
         for name, value, cls in (("consistency", consistency, ConsistencyOptions), ("wire", wire, WireOptions),
                                  ("observability", observability, ObservabilityOptions)):
             if not isinstance(value, cls):
@@ -231,7 +244,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         self._rpc_timeout = wire.rpc_timeout
         self._diverged = ""  # set when a round was applied by some shards and failed by others
         self._lock = threading.Lock()  # guards self._round between hooks and step()
-        self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="shardps-pull")
+        self._pool = DaemonPool(len(servers), thread_name_prefix="shardps-pull")  # never holds the exit
         self._clients: list[ShardClient] = []
         self._hooks = []
         self._waits: ForwardWaits | None = None
@@ -253,6 +266,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         # (JobView._carry_initial_state); the local optimizer itself never holds state
         saved = optimizer.state_dict() if optimizer.state else None
         optimizer.state.clear()
+        self._exit_key = close_at_exit(self._close_at_exit)  # a script that never calls close() leaves at exit
         try:
             if observability.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(observability.metrics_host, observability.metrics_port)
@@ -265,15 +279,21 @@ class DistributedOptimizer(RoundSteps, JobView):
                             fingerprint=self.plan.fingerprint, optimizer=self._spec,
                             static_digest=static_digest(named_map, outside), patience=wire.connect_timeout,
                             mode=self.mode)
-            joined = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull)
+            def start_leases(replies: list) -> None:  # heartbeats from the first Join: the Init and the
+                if self._leases is None:  # first pull may take longer than a lease on a slow link
+                    self._leases = Leases(self._clients, self.worker_id, self.session,
+                                          min(r.lease_seconds or 10.0 for r in replies),
+                                          observability.on_membership_change, joining=True)
+
+            joined = join_job(self._clients, self._pool, join, self._init_frames, self._initial_pull,
+                              on_joined=start_leases)
             self.versions = joined.versions
             self._recovery = Recovery(self._clients, join, joined.job_id, joined.incarnations, self._initial_pull)
-            self._leases = Leases(self._clients, self.worker_id, self.session, joined.lease_seconds,
-                                  observability.on_membership_change, self._recovery)
+            self._leases.joined(self._recovery)
             self.resumed = min(self.versions) > 0
             self._job_id = joined.job_id
             self._member_number = joined.member_number  # where its async/ssp pushes start (staggered_order)
-            self._announce_join(joined.initialised)
+            self._announce_join(joined.initialised, resume)
             self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model,
                                         self._rejoin_shard, wire.max_message_bytes) if sparse_optimizer else None
             self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
@@ -497,53 +517,3 @@ class DistributedOptimizer(RoundSteps, JobView):
             ValueError: a learning rate is not finite or is negative.
         """
         return self._trailer(self._round_lrs(), absent)
-
-    def _close_refused(self, saved: dict | None) -> None:
-        """Construction failed: leave, and give the wrapped optimizer back the state it came with."""
-        self.close()
-        if saved is not None:
-            self._optimizer.load_state_dict(saved)
-
-    def close(self) -> None:
-        """Leave every shard (rounds stop waiting for this worker), remove hooks, close channels."""
-        if self._leases is not None:
-            self._leases.stop()
-        if self._watcher is not None:
-            self._watcher.close()
-            self._watcher = None
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._waits is not None:
-            self._waits.remove()
-        if self._tables is not None:
-            self._tables.close()
-        try:
-            self._finish_pull(rejoin=False)
-        except (ShardRpcError, RuntimeError) as exc:
-            log.warning("the last pull failed while closing: %s", exc)
-        with self._lock:
-            rnd, self._round = self._round, None
-        if rnd is not None:
-            for q in rnd.queues:
-                q.put(None)
-            for call in rnd.calls:
-                call.cancel()
-        for client in self._clients:
-            try:
-                client.leave(self.worker_id, self.session, timeout=5.0)
-            except ShardRpcError as exc:
-                log.warning("leaving shard %d failed: %s", client.index, exc)
-            client.close()
-        self._clients = []
-        self._pool.shutdown(wait=False)
-        if self._routed is not None:
-            optimizer_state.restore(self._optimizer, self._routed)
-            self._routed = None
-        self.metrics.close()
-
-    def __enter__(self) -> "DistributedOptimizer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -111,8 +111,9 @@ class ShardOptimizer(UnitState):
             contiguous piece of one key's slice (the shard passes one per chunk, so a round can be
             applied a chunk at a time: :meth:`apply`'s ``units``); None: one per key. The optimizers
             a shard runs are element-wise (``shardps.common.optim.SHARDABLE``) and every piece of a
-            key is stepped in the same rounds, so each element gets exactly the values one tensor
-            per key would give; state goes in and out per key (:meth:`get_state`, :meth:`load_state`).
+            key is stepped in the same rounds, so each element gets the values one tensor per key
+            would give, up to the last bit where a piece's end moves an element between a fused
+            kernel's vectorised body and its scalar tail (AVX2/AVX-512); state goes in and out per key (:meth:`get_state`, :meth:`load_state`).
 
     Raises:
         shardps.common.optim.OptimizerSpecError: from :func:`build_optimizer`.

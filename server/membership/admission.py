@@ -350,7 +350,7 @@ class Admission:
             staged = job.table.allocate()  # all-or-nothing: these become the parameters only if every chunk is good
             arena = job.table.allocate_buffers()
             rx = job.table.receiver(0, staged, arena, what="init", reject_nonfinite=True)
-            async for raw in frames:
+            async for raw in self._members.renewing(member, frames):  # each chunk renews the initialiser's lease
                 if rx.add(raw).header is None:
                     raise InvalidArgument("init: only chunks may follow the round header")
             received = rx.finish()

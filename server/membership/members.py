@@ -19,8 +19,11 @@ is the same logical worker coming back (its place in the averaging order
 is its id).
 
 Leases: every call a member makes renews its lease for ``lease_seconds``
-(workers send a Heartbeat every third of it from a background thread). A
-member whose lease runs out (it crashed, hung or lost the network) is
+(workers send a Heartbeat every third of it from a background thread, over
+a connection of their own), and so does every frame of its request streams
+(:meth:`Membership.renewing`: a push's chunks, an Init's): a worker whose
+chunks keep arriving is alive, however long its push takes on a slow link.
+A member whose lease runs out (it crashed, hung or lost the network) is
 dropped exactly as if it had left; its id is then free, so a restarted
 process with the same ``worker_id`` is the same worker coming back.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +70,35 @@ class Member:
     expires: float = 0.0
     clock: int = 0
     applied_round: int = -1
+
+
+class RenewingFrames:
+    """A member's request stream that renews the member's lease as each frame arrives.
+
+    Setting one float per frame, on the event loop that owns the membership
+    (no lock); ``benchmarks/lease_renewal.py`` measures the cost per frame.
+
+    Args:
+        frames: the call's request frames (any async iterable).
+        member: whose lease each frame renews.
+        lease_seconds: the lease.
+        clock: the membership's clock (``time.monotonic``).
+    """
+
+    __slots__ = ("_frames", "_member", "_lease", "_clock")
+
+    def __init__(self, frames: AsyncIterable[bytes], member: Member, lease_seconds: float,
+                 clock: Callable[[], float]) -> None:
+        self._frames, self._member = frames.__aiter__(), member
+        self._lease, self._clock = lease_seconds, clock
+
+    def __aiter__(self) -> RenewingFrames:
+        return self
+
+    async def __anext__(self) -> bytes:
+        frame = await self._frames.__anext__()
+        self._member.expires = self._clock() + self._lease
+        return frame
 
 
 #: Sessions a shard remembers as dropped at lease expiry (the oldest are forgotten past this; 64 bytes each).
@@ -156,6 +188,11 @@ class Membership:
             )
         member.expires = self._clock() + self.lease_seconds
         return member
+
+    def renewing(self, member: Member, frames: AsyncIterable[bytes]) -> RenewingFrames:
+        """``frames``, a request stream of ``member`` (already checked with :meth:`get`), renewing its lease on
+        every frame that arrives: a push that takes several leases to cross a slow link keeps its member."""
+        return RenewingFrames(frames, member, self.lease_seconds, self._clock)
 
     def find(self, worker_id: str) -> Member | None:
         """The member ``worker_id`` whatever its session (for the store's own bookkeeping)."""

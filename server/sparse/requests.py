@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import finite
-from shardps.common.rows import check_ids, ids_from, shard_of_salted
+from shardps.common.rows import FLOAT32_MAX, check_ids, ids_from, lr_problem, shard_of_salted
 from shardps.server.checks import shown
 from shardps.server.errors import InvalidArgument
 
@@ -59,13 +58,14 @@ def staged_rows(request: pb.PushRowsRequest, tables: list, ids: list[torch.Tenso
     exact test only when it is not).
 
     Raises:
-        InvalidArgument: a learning rate not finite and >= 0, a gradient of the wrong size, the padding id
-            pushed, a repeated id, a gradient not finite (the message names the table).
+        InvalidArgument: a learning rate not finite, >= 0 and within float32's range, a gradient of the
+            wrong size, the padding id pushed, a repeated id, a gradient not finite (the message names the table).
     """
     for part, table, i in zip(request.tables, tables, ids):
-        if not (math.isfinite(part.lr) and part.lr >= 0):
-            raise InvalidArgument(f"learning rate of table {shown(part.table)} is {part.lr}; it must be "
-                                  "finite and >= 0")
+        problem = lr_problem(part.lr)
+        if problem is not None:
+            raise InvalidArgument(f"learning rate of table {shown(part.table)}: {problem}; it must be finite, "
+                                  f">= 0 and at most {FLOAT32_MAX:.4g}; nothing was staged")
         n, dim = i.numel(), table.spec.embedding_dim
         if len(part.grads) != 4 * n * dim:
             raise InvalidArgument(f"gradient of table {shown(part.table)}: expected {n} rows of {dim} float32 "

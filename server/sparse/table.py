@@ -119,6 +119,23 @@ class RowTable:
         self.counts["dropped_unadmitted"] += int((~keep).sum())
         return keep
 
+    def would_admit(self, ids: torch.Tensor, sightings: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """What :meth:`admit` of the same arguments would return, changing nothing (a round's update is
+        computed before anything is written): the bool mask ``[n]`` of the ids whose gradient is applied, or
+        None when that is all of them."""
+        new = slots < 0
+        if not bool(new.any()):
+            return None
+        fresh, seen = ids[new], sightings[new]
+        cslots = self.candidates.find(fresh)
+        counted = torch.zeros(fresh.numel(), dtype=torch.int64)  # sightings so far (0: not a candidate)
+        hit = cslots >= 0
+        if bool(hit.any()):
+            counted[hit] = self._cand[cslots[hit], 0]
+        keep = ~new
+        keep[new.nonzero().reshape(-1)[counted + seen >= self.spec.min_count]] = True
+        return keep
+
     def _count(self, ids: torch.Tensor, sightings: torch.Tensor, round_: int) -> torch.Tensor:
         """Count sightings of ids that are not rows; the mask of those admitted now (their counts dropped)."""
         cslots = self.candidates.find(ids)
@@ -184,19 +201,53 @@ class RowTable:
         ids, slots = ids[order], slots[order]
         return ids, self.weights[slots].clone(), {name: t[slots].clone() for name, t in self.state.items()}
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Tensors and numbers that :meth:`restore` turns back into this table, bit for bit."""
-        ids, weights, state = self.export()
-        touched = self.touched[self.find(ids)].to(torch.int64) if ids.numel() else \
-            torch.zeros(0, dtype=torch.int64)
+    def snapshot_layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, safetensors dtype, shape)`` of each tensor :meth:`write_snapshot` writes, as the table is now:
+        ``ids`` I64 ``[rows]`` (ascending), ``weights`` F32 ``[rows, dim]``, ``touched`` I64 ``[rows]`` (the
+        round each row was last pushed), ``state.<name>`` F32 ``[rows, width]``, ``cand_ids`` I64 ``[c]`` and
+        ``cand`` I64 ``[c, 2]`` (admission counts and last round seen of the ``c`` ids not yet rows)."""
+        n, c = self.rows, len(self.candidates)
+        out = [("ids", "I64", (n,)), ("weights", "F32", (n, self.spec.embedding_dim)), ("touched", "I64", (n,)),
+               ("cand_ids", "I64", (c,)), ("cand", "I64", (c, 2))]
+        return out + [(f"state.{name}", "F32", (n, width)) for name, width in self.widths.items()]
+
+    def snapshot_numbers(self) -> dict:
+        """The numbers :meth:`restore` takes besides the tensors: optimizer steps and counters."""
+        return {"step": self.step, "counts": dict(self.counts)}
+
+    def write_snapshot(self, write, block_bytes: int) -> None:
+        """Hand every tensor of :meth:`snapshot_layout` to ``write(name, tensor)``, rows in id order, ``block_bytes``
+        of rows at a time (at least one row): the rows are read from the slab a block at a time, never copied
+        whole. Memory besides the block: the table's ids and slots sorted (about 32 bytes per row at the peak,
+        16 after the sort). Runs where no round changes the table meanwhile (the compute thread, between rounds).
+
+        Raises:
+            RuntimeError: the table holds another number of rows or candidates than its layout says (it changed
+                since :meth:`snapshot_layout`).
+        """
+        ids, slots = self.items()
         cand_ids, cslots, _ = self.candidates.items()
-        tensors = {"ids": ids, "weights": weights, "touched": touched, "cand_ids": cand_ids,
-                   "cand": self._cand[cslots].clone() if cand_ids.numel() else torch.zeros(0, 2, dtype=torch.int64)}
-        tensors.update({f"state.{name}": t for name, t in state.items()})
-        return tensors, {"step": self.step, "counts": dict(self.counts)}
+        if ids.numel() != self.rows or cand_ids.numel() != len(self.candidates):
+            raise RuntimeError(f"table {self.spec.name!r} changed while it was written")
+        ids, order = torch.sort(ids)
+        slots = slots[order]
+        del order
+        write("ids", ids)
+        del ids
+        per = max(1, block_bytes // (4 * max(self.spec.embedding_dim, *self.widths.values(), 2)))
+        for begin in range(0, slots.numel(), per):
+            part = slots[begin: begin + per]
+            write("weights", self.weights[part])
+            write("touched", self.touched[part].to(torch.int64))
+            for name in self.widths:
+                write(f"state.{name}", self.state[name][part])
+        write("cand_ids", cand_ids)
+        for begin in range(0, cslots.numel(), per):
+            write("cand", self._cand[cslots[begin: begin + per]])
 
     def restore(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
-        """Load what :meth:`snapshot` returned into this (empty) table.
+        """Load the tensors :meth:`write_snapshot` wrote (by their names there) and :meth:`snapshot_numbers` into
+        this (empty) table.
 
         Raises:
             ValueError: the tensors do not fit the table's spec (the message names the table).

@@ -14,8 +14,12 @@ acknowledged and not counted again. A member that leaves, or whose lease
 runs out, stops being waited for; a member that joins is waited for from
 its first push on (after its Declare). A pull with ``after_push`` waits
 until the caller's last push is applied, so a worker's next forward reads
-the rows its last step updated. A round refused (a memory limit) changes
-nothing; the next pull or push of each of its members fails with the reason (once).
+the rows its last step updated. A round is refused (a memory limit, members
+pushing a table with different learning rates, an optimizer step that raises
+or whose result would not be finite) before anything of it is written: rows,
+optimizer state, step counts, admission counts, slots and the index stay
+exactly as they were (``rounds``, ``fused.prepare_round``), and the next pull
+or push of each of its members fails with the reason (once).
 
 Every method runs on the shard's event loop; reads and updates of rows run
 on the store's compute thread, one at a time (``store.run``).
@@ -31,16 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from shardps.proto import shardps_pb2 as pb
-from shardps.common.rows import (
-    TableSpec, ids_bytes, rows_bytes, state_widths,
-)
+from shardps.common.rows import TableSpec, state_widths
 from shardps.server.checks import shown
 from shardps.server.compute import IDLE, SPARSE
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
 from shardps.server.membership.admission import resident_bytes
-from shardps.server.sparse import fused
+from shardps.server.sparse import fused, replies, rounds
 from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.requests import checked_ids, staged_rows
 from shardps.server.sparse.slab import RowSlab
@@ -84,6 +86,8 @@ class SparseTables:
         self._made: tuple | None = None  # (_applied after it, ids, tags, slots, evicted) of the last round
         self._flushing = False  # an index flush is queued (see _flush)
         self._grew: dict = {}  # {RowSlab: rows the last round added to it} (compute thread)
+        self.replies = replies.ReplyBudget(store.config)  # memory the pull and export replies in flight hold
+        self._round_base: int | None = None  # round - _applied, seen between rounds (see _round_now)
 
     def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
         widths = state_widths(spec.optimizer, spec.embedding_dim)
@@ -210,13 +214,15 @@ class SparseTables:
         number = self.round
         try:
             await self.store.run(self._update, pushes, number, priority=SPARSE)
-        except ShardError as exc:
+        except ShardError as exc:  # nothing of the round was applied (limits, lrs, a step that failed or overflowed)
             log.warning("shard %d: sparse round %d refused: %s", self.store.config.shard_index, number, exc)
             for w in workers:
                 self.failed[w] = type(exc)(f"sparse round {number} was refused: {exc}")
-        except Exception:
+        except Exception as exc:  # any other fault of the shard (a bug): said to every member, never dropped
             log.exception("shard %d: applying sparse round %d failed", self.store.config.shard_index, number)
-            raise
+            for w in workers:
+                self.failed[w] = ShardError(f"sparse round {number} failed on shard {self.store.config.shard_index} "
+                                            f"({type(exc).__name__}: {exc}); see its log")
         else:
             self.round += 1
         finally:
@@ -237,23 +243,15 @@ class SparseTables:
         return list(self.index.find(ids, tags).split([i.numel() for _, i in parts]))
 
     def _update(self, pushes: list[_Push], number: int) -> None:
-        """Average and apply one round (compute thread). Checks every table's room, and the shard's memory
-        budget for the round's new rows, before changing any."""
+        """Average and apply one round (compute thread), all or nothing: the members' lrs must agree, every
+        table's room and the shard's memory budget for the new rows are checked, and the update is computed
+        and proved finite (``fused.prepare_round``) before anything changes.
+
+        Raises:
+            ShardError: the round is refused, nothing changed (``rounds``, ``fused.prepare_round``).
+        """
         started = time.perf_counter()
-        merged = []
-        for name, table in self.tables.items():
-            parts = [p.tables[name] for p in pushes if name in p.tables]
-            if not parts:
-                continue
-            if len(parts) == 1:
-                unique, summed, sightings = parts[0][0], parts[0][1], torch.ones_like(parts[0][0])
-            else:
-                ids = torch.cat([p[0] for p in parts])
-                unique, inverse = torch.unique(ids, return_inverse=True)
-                summed = torch.zeros(unique.numel(), table.spec.embedding_dim).index_add_(
-                    0, inverse, torch.cat([p[1] for p in parts]))
-                sightings = torch.bincount(inverse, minlength=unique.numel())
-            merged.append((table, unique, summed / len(pushes) if len(pushes) > 1 else summed, sightings, parts[0][2]))
+        merged = rounds.merged_round(self.tables, pushes)
         try:
             found, initial = self._slots_of(merged, pushes)
         finally:
@@ -268,7 +266,7 @@ class SparseTables:
                 f"the round's new rows need about {growth} bytes more and the shard holds {resident_bytes()} bytes "
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
-        ids, slots, tags = fused.apply_round(merged, found, initial, number)
+        ids, slots, tags = fused.commit_round(fused.prepare_round(merged, found, initial), number)
         self._grew = {}
         for (table, *_), count in zip(merged, new):
             self._grew[table.slab] = self._grew.get(table.slab, 0) + count
@@ -286,14 +284,16 @@ class SparseTables:
         self.rounds_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------ pull
-    async def pull(self, request: pb.PullRowsRequest, timeout: float | None) -> pb.PullRowsReply:
+    async def pull(self, request: pb.PullRowsRequest, timeout: float | None, sent=None) -> bytes:
         """The rows of ``request.ids`` (one table) or of each of ``request.tables`` (several, looked up at once);
-        with ``after_push``, once the caller's last push is applied.
+        with ``after_push``, once the caller's last push is applied: the ``PullRowsReply``'s bytes, sized first,
+        held against the memory budget until ``sent`` calls back (``replies.Held.until``), written once.
 
         Raises:
             FailedPrecondition: not a table member; an unknown table.
             InvalidArgument: malformed ids, ids of another shard or out of range, a table named twice, both
                 forms in one request.
+            ResourceExhausted: the reply would pass --max-message-bytes or --memory-budget-bytes (nothing read).
             ShardError: the round of the caller's last push was refused (its reason).
             DeadlineExceeded: the round did not complete within the call's deadline.
         """
@@ -305,13 +305,20 @@ class SparseTables:
         if len({name for name, _ in wanted}) != len(wanted):
             raise InvalidArgument("a pull names a table twice: send each table's unique ids once")
         named = [self._table(name) for name, _ in wanted]
+        reply = replies.PullReply(named, [len(data) // 8 for _, data in wanted], bool(request.tables),
+                                  self.store.config)  # refused here if too big: before the ids are even parsed
         parts = list(zip(named, checked_ids([(t, data) for t, (_, data) in zip(named, wanted)], "the pull",
                                              self.store.config)))
-        w, number, early = request.worker_id, request.after_push_number, None
-        if number and request.after_push:
+        if request.after_push_number and request.after_push:
             raise InvalidArgument("a pull waits for after_push or for after_push_number, not both")
+        return await self.replies.serve(reply, "pull fewer ids at once", sent,
+                                        lambda: self._pull(request, timeout, parts, reply))
+
+    async def _pull(self, request: pb.PullRowsRequest, timeout: float | None, parts: list, reply) -> bytes:
+        """:meth:`pull` once its reply is sized and held: wait as asked, read the rows into the reply."""
+        w, number, early = request.worker_id, request.after_push_number, None
         if number and not (self.members[w] >= number and w not in self.staged):
-            early = await self.store.run(self._look_ahead, parts, priority=SPARSE)  # while push `number` is still to come
+            early = await self.store.run(self._look_ahead, parts, reply, priority=SPARSE)  # before push `number`
         if request.after_push or number:
 
             def ready() -> bool:
@@ -330,12 +337,20 @@ class SparseTables:
             self._member(request.worker_id, request.session)
             if w in self.failed:
                 raise self.failed.pop(w)
-        rows = await self.store.run(self._read, parts, request.worker_id, early, priority=SPARSE)
+        self._note_round()
+        await self.store.run(self._read, parts, request.worker_id, early, reply, priority=SPARSE)
         if number or request.after_push:  # the round's new keys enter the index now, not in the next lookup
             self._start_flush()
-        if request.tables:
-            return pb.PullRowsReply(parts=[rows_bytes(r) for r in rows], round=self.round)
-        return pb.PullRowsReply(rows=rows_bytes(rows[0]), round=self.round)
+        return reply.take()
+
+    def _note_round(self) -> None:
+        """Between rounds (none applied or being counted), note ``round - _applied`` for :meth:`_round_now`."""
+        if not self.applying:
+            self._round_base = self.round - self._applied
+
+    def _round_now(self) -> int:
+        """The rounds applied as the compute thread sees them (before the loop counts them): a reply's round."""
+        return self.round if self._round_base is None else self._round_base + self._applied
 
     def settled(self) -> bool:
         """No round being applied and no index flush queued or due: until the next round starts, the compute
@@ -367,11 +382,11 @@ class SparseTables:
                 self._flushing = False
             self.store.notifier.notify_all()
 
-    def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]]) -> tuple:
-        """A prefetch read before the round it waits for: ``(slots, rows, rounds applied so far)``; ids that are
-        not rows read as their initial values already (computed while the worker still computes)."""
-        found = self.find(parts)
-        return found, fused.read_rows([t for t, _ in parts], [i for _, i in parts], found), self._applied
+    def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]], reply: replies.PullReply | None = None) -> tuple:
+        """A prefetch read before the round it waits for (into ``reply``'s bytes): ``(slots, rows, rounds applied so
+        far)``; ids that are not rows read as their initial values already (computed while the worker computes)."""
+        found, out = self.find(parts), None if reply is None else reply.out()
+        return found, fused.read_rows([t for t, _ in parts], [i for _, i in parts], found, out), self._applied
 
     def _after_round(self, parts: list[tuple[RowTable, torch.Tensor]], early: tuple) -> list[torch.Tensor]:
         """The slots of a prefetch's ids now, from its read ``early`` before the round it waited for: as they
@@ -385,16 +400,25 @@ class SparseTables:
             return fused.found_in(found, parts, *self._made[1:4], self.index)
         return self.find(parts)
 
-    def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str, early: tuple | None = None
-              ) -> list[torch.Tensor]:
+    def _read(self, parts: list[tuple[RowTable, torch.Tensor]], worker: str, early: tuple | None = None,
+              reply: replies.PullReply | None = None) -> list[torch.Tensor]:
+        """A pull's rows (compute thread), kept for the round that pushes them: new tensors, or read into ``reply``
+        (then views of its bytes, ``reply.take()``); ``early``: a prefetch's look-ahead, into ``reply`` too."""
         tables, ids = [t for t, _ in parts], [i for _, i in parts]
+        for table in tables:  # the caller's last rows of these tables go before the new ones are made
+            self._pulled.pop((worker, table.spec.name), None)
+        out = None if reply is None else reply.out()
         if early is None:
             found = self.find(parts)
-            rows = fused.read_rows(tables, ids, found)
+            rows = fused.read_rows(tables, ids, found, out)
         else:  # a prefetch: the rows of ids that are rows now are read again, the others kept
             found = self._after_round(parts, early)
             rows = early[1] if early[2] == self._applied else \
                 fused.reread_rows(tables, ids, early[0], found, early[1])
+            if out is not None and rows is not early[1]:
+                rows = [into.copy_(now) for into, now in zip(out, rows)]
+        if reply is not None:
+            rows = reply.finish(self._round_now())
         for table, i, slots, r in zip(tables, ids, found, rows):
             self._pulled[worker, table.spec.name] = (i, slots, r)
         return rows
@@ -430,36 +454,40 @@ class SparseTables:
                                            self.store.config.max_wait_seconds)
 
     # ------------------------------------------------------------ export, checkpoints, metrics
-    async def export(self, request: pb.ExportRowsRequest) -> pb.ExportRowsReply:
+    async def export(self, request: pb.ExportRowsRequest, sent=None) -> bytes:
         """The rows of ``request.table`` on this shard in id order (a page: ``offset``, ``max_rows``), with their
-        optimizer state if asked.
+        optimizer state if asked: the ``ExportRowsReply``'s bytes, sized, held and written as :meth:`pull`'s.
 
         Raises:
             FailedPrecondition: an unknown table.
+            ResourceExhausted: the page would pass --max-message-bytes (the message names the max_rows that
+                fits) or --memory-budget-bytes; nothing read.
         """
         table = self._table(request.table)
         await self._settled()
-        ids, weights, state = await self.store.run(table.export, request.offset, request.max_rows, priority=SPARSE)
-        total = table.rows
-        reply = pb.ExportRowsReply(spec=table.spec.to_proto(), ids=ids_bytes(ids), weights=rows_bytes(weights),
-                                   round=self.round, step=table.step, total_rows=total)
-        if request.state:
-            for name, t in state.items():
-                reply.state[name] = rows_bytes(t)
-                reply.state_width[name] = t.shape[1]
-        return reply
+        reply = replies.ExportReply.page(table, request.offset, request.max_rows, request.state, self.store.config)
+        self._note_round()
+        return await self.replies.serve(reply, "ask for fewer rows a page (max_rows)", sent,
+                                        lambda: self.store.run(reply.read, self._round_now, priority=SPARSE))
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Tensors (``rows/<table>/<name>``) and manifest entries of every table (between rounds)."""
-        tensors, tables = {}, {}
-        for name, table in self.tables.items():
-            t, numbers = table.snapshot()
-            tensors.update({f"rows/{name}/{k}": v for k, v in t.items()})
-            tables[name] = {"spec": table.spec.to_proto().SerializeToString().hex(), **numbers}
-        return tensors, {"round": self.round, "tables": tables}
+    def snapshot(self) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict, object]:
+        """The tables as they are now (event loop, once :meth:`settled`): ``(layout, entry, write)``: each tensor's
+        ``(rows/<table>/<name>, safetensors dtype, shape)``, the manifest's ``{"round", "tables"}``, and
+        ``write(put, block_bytes)``, which hands each tensor to ``put(name, tensor)``, the rows a block at a time
+        (``RowTable.write_snapshot``); run it on the compute thread, queued before any round can be."""
+        tables = list(self.tables.items())
+        layout = [(f"rows/{name}/{k}", dtype, shape) for name, t in tables for k, dtype, shape in t.snapshot_layout()]
+        entry = {"round": self.round, "tables": {name: {"spec": t.spec.to_proto().SerializeToString().hex(),
+                                                        **t.snapshot_numbers()} for name, t in tables}}
+
+        def write(put, block_bytes: int) -> None:
+            for name, table in tables:
+                table.write_snapshot(lambda k, data, prefix=f"rows/{name}/": put(prefix + k, data), block_bytes)
+
+        return layout, entry, write
 
     def restore(self, tensors: dict[str, torch.Tensor], entry: dict) -> None:
-        """Load what :meth:`snapshot` returned (at shard start).
+        """Load a checkpoint's tables (at shard start): its ``rows/<table>/<name>`` tensors, :meth:`snapshot`'s entry.
 
         Raises:
             ValueError: a table's spec or tensors are malformed.

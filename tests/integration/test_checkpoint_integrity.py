@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardps.common.checkpoint import Name
 from tests.support.procs import run_module, run_worker, shard_stats
 from tests.support.worker_proc import model
 
@@ -28,6 +29,12 @@ def trained(start_cluster, ckpt: Path, num_shards: int, *extra: str, steps: int 
     assert proc.returncode == 0 and f"done version={steps}" in proc.stdout, proc.stderr[-2000:]
     assert cluster.stop() == [0] * num_shards  # SIGTERM: a final checkpoint of version `steps`
     return args
+
+
+def manifest(directory: Path, version: int) -> Path:
+    """The manifest of the newest checkpoint of dense version ``version`` in ``directory``."""
+    names = [Name.parse(p.name) for p in directory.glob("*.json")]
+    return directory / max((n for n in names if n.version == version), key=Name.order).manifest
 
 
 def shard(ckpt: Path, index: int, num_shards: int, *extra: str) -> subprocess.CompletedProcess:
@@ -62,23 +69,26 @@ def test_a_shard_refuses_another_shards_checkpoints(start_cluster, tmp_path: Pat
 def test_an_edited_manifest_is_refused_and_the_previous_checkpoint_loaded(start_cluster, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = trained(start_cluster, ckpt, 2, "--checkpoint-every-rounds", "4")  # versions 4 and 6 on disk
+    edited, kept = [], []
     for index, edit in enumerate(("version", "lr")):
-        manifest = ckpt / f"shard-{index}" / f"checkpoint-{6:012d}.json"
-        m = json.loads(manifest.read_text())
+        path = manifest(ckpt / f"shard-{index}", 6)
+        edited.append(path)
+        kept.append(manifest(ckpt / f"shard-{index}", 4))
+        m = json.loads(path.read_text())
         if edit == "version":
             m["version"] = 7
         else:
             group = next(iter(m["hyperparams"]))
             m["hyperparams"][group]["lr"] = 1.0
-        manifest.write_text(json.dumps(m, sort_keys=True))
+        path.write_text(json.dumps(m, sort_keys=True))
     cluster = start_cluster(2, extra_args=args)
     assert [s.version for s in shard_stats(cluster.addresses)] == [4, 4]
     for index in range(2):
         log = cluster.log_path(index).read_text()
-        assert f"skipping checkpoint {ckpt / f'shard-{index}' / f'checkpoint-{6:012d}.json'}" in log, log[-2000:]
+        assert f"skipping checkpoint {edited[index]}" in log, log[-2000:]
         assert "does not match its own SHA-256" in log, log[-2000:]
-        assert f"loaded checkpoint {ckpt / f'shard-{index}' / f'checkpoint-{4:012d}.json'} (version 4)" in log
-        assert (ckpt / f"shard-{index}" / "damaged" / f"checkpoint-{6:012d}.json").exists()
+        assert f"loaded checkpoint {kept[index]} (version 4, sparse round 0)" in log
+        assert (ckpt / f"shard-{index}" / "damaged" / edited[index].name).exists()
     proc = run_worker(cluster.servers, "w0", "--steps", "2")
     assert proc.returncode == 0 and "done version=6" in proc.stdout, proc.stderr[-2000:]
 
@@ -86,14 +96,14 @@ def test_an_edited_manifest_is_refused_and_the_previous_checkpoint_loaded(start_
 def test_a_lost_only_checkpoint_stops_the_shard_until_asked_to_start_over(start_cluster, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     trained(start_cluster, ckpt, 1)  # one checkpoint only: version 6, at SIGTERM
-    data = ckpt / "shard-0" / f"checkpoint-{6:012d}.safetensors"
+    data = manifest(ckpt / "shard-0", 6).with_suffix(".safetensors")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     proc = shard(ckpt, 0, 1)
     assert proc.returncode == 1 and "listening" not in proc.stdout, proc.stderr[-2000:]
     assert f"{ckpt / 'shard-0'} holds checkpoints but none is intact" in proc.stderr, proc.stderr[-2000:]
-    assert f"checkpoint-{6:012d}.json" in proc.stderr and "--start-empty-over-damaged-checkpoints" in proc.stderr
+    assert data.with_suffix(".json").name in proc.stderr and "--start-empty-over-damaged-checkpoints" in proc.stderr
     assert data.exists(), "a refused start changes nothing"
 
     cluster = start_cluster(1, extra_args=("--checkpoint-dir", str(ckpt), "--start-empty-over-damaged-checkpoints"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shardps.common.checkpoint import Name
 from tests.support.procs import run_worker as run_process
 from tests.support.procs import shard_stats as stats_of
 
@@ -22,6 +23,11 @@ def run_worker(servers: str, steps: int) -> subprocess.CompletedProcess:
 
 def shard_stats(cluster) -> list:
     return stats_of(cluster.addresses, digest=True)
+
+
+def checkpoints(directory: Path) -> list[Name]:
+    """The names of the whole checkpoints in ``directory`` (a manifest each), oldest first."""
+    return sorted((Name.parse(p.name) for p in directory.glob("*.json")), key=Name.order)
 
 
 def trained(start_cluster, ckpt: Path):
@@ -39,9 +45,10 @@ def trained(start_cluster, ckpt: Path):
 def test_sigterm_checkpoint_is_restored_bit_for_bit_and_the_job_resumes(start_cluster, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args, before = trained(start_cluster, ckpt)
-    for shard in range(2):  # rounds 4 and 8 on schedule, 10 at SIGTERM; the newest 3 kept
-        names = sorted(p.name for p in (ckpt / f"shard-{shard}").glob("*.json"))
-        assert names == [f"checkpoint-{v:012d}.json" for v in (4, 8, 10)]
+    for shard in range(2):  # rounds 4 and 8 on schedule, 10 at SIGTERM; the newest 3 kept, in the order written
+        names = checkpoints(ckpt / f"shard-{shard}")
+        assert [(n.version, n.sparse_round) for n in names] == [(4, 0), (8, 0), (10, 0)], names
+        assert [n.sequence for n in names] == [1, 2, 3]
     cluster = start_cluster(2, extra_args=args)
     after = shard_stats(cluster)
     assert [s.version for s in after] == [10, 10] and [s.checkpoint_version for s in after] == [10, 10]
@@ -57,7 +64,7 @@ def test_a_damaged_newest_checkpoint_is_skipped(start_cluster, tmp_path: Path, d
     ckpt = tmp_path / "ckpt"
     args, _ = trained(start_cluster, ckpt)
     for shard in range(2):
-        newest = ckpt / f"shard-{shard}" / f"checkpoint-{10:012d}"
+        newest = ckpt / f"shard-{shard}" / checkpoints(ckpt / f"shard-{shard}")[-1].stem  # of version 10
         data = newest.with_suffix(".safetensors")
         if damage == "flip":
             raw = bytearray(data.read_bytes())

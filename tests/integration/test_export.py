@@ -56,7 +56,8 @@ def test_export_from_live_shards_and_checkpoints_gives_the_workers_model(start_c
         assert abs(accuracy(live[suffix]) - report["test_accuracy"]) < 1e-6  # the same images right
     assert all(torch.equal(live["pt"][k], v) for k, v in live["safetensors"].items())
     proc = cli("checkpoint", "--servers", cluster.servers)  # on request: the operator's command
-    assert proc.returncode == 0 and proc.stdout.count(f"checkpoint of version {report['steps']}") == 2, proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count(f"(dense version {report['steps']}, sparse round 0)") == 2, \
+        proc.stdout + proc.stderr
 
     assert cluster.stop() == [0, 0]  # SIGTERM: a final checkpoint of the last version
     out = tmp_path / "from-checkpoints.safetensors"

@@ -143,7 +143,7 @@ def test_health_of_running_unreachable_and_frozen_shards(start_cluster) -> None:
 def test_health_of_a_stopping_then_stopped_shard(start_cluster, tmp_path: Path) -> None:
     """SIGTERM turns health NOT_SERVING while the final checkpoint is written; once the shard is gone: UNREACHABLE.
 
-    The final checkpoint's temporary file is made a FIFO that nobody reads, so the
+    The final checkpoint's temporary tensor file is made a FIFO that nobody reads, so the
     shard stays in that state (writing it) for as long as the test needs.
     """
     cluster = start_cluster(1, extra_args=("--checkpoint-dir", str(tmp_path)))
@@ -157,8 +157,9 @@ def test_health_of_a_stopping_then_stopped_shard(start_cluster, tmp_path: Path) 
     finally:
         client.close()
     (tmp_path / "shard-0").mkdir(exist_ok=True)
-    os.mkfifo(tmp_path / "shard-0" / "checkpoint-000000000000.safetensors.tmp")
-    shard = cluster.processes[0]
+    shard = cluster.processes[0]  # the first checkpoint's tensor file is streamed into this temporary file:
+    stem = "checkpoint-00000001-v000000000000-r000000000000"
+    os.mkfifo(tmp_path / "shard-0" / f".{stem}.safetensors.{shard.pid}.partial")
     shard.send_signal(signal.SIGTERM)
     try:
         stopping = cli("health", "--servers", address, "--timeout", "5")

@@ -115,7 +115,8 @@ def test_a_push_that_fails_after_chunks_were_applied_is_undone_and_the_round_sta
     cluster = start_cluster(1, min_workers=2)
     torch.manual_seed(0)
     m = nn.Linear(20, 10)
-    make = lambda params: torch.optim.Adam(params, lr=0.1)  # noqa: E731 - state to undo, not only parameters
+    # Adam: state to undo, not only parameters; fused, the kernel the shard steps with (see _adam_oracle)
+    make = lambda params: torch.optim.Adam(params, lr=0.1, fused=True)  # noqa: E731
     plan, spec = plan_and_spec(m, make(m.parameters()))
     assert len(plan.chunks) >= 3
     client = ShardClient(cluster.addresses[0], index=0, rpc_timeout=20.0)
@@ -240,9 +241,19 @@ def test_a_shard_that_holds_no_chunk_completes_streamed_rounds(start_cluster) ->
 
 # ---------------------------------------------------------------- gradients read where they arrived
 def _adam_oracle(m: nn.Module, fills: list[float]) -> nn.Module:
+    """``m`` after one torch Adam step per gradient fill in ``fills``, with the kernel the shard uses.
+
+    The shard steps ``torch.optim.Adam(fused=True)`` (``shardps.common.optim.build_optimizer``). torch's
+    default (single-tensor) Adam is another kernel, and its last bit differs from the fused one on some CPUs
+    (an AVX-512 host: every run), so a bit-for-bit oracle runs the fused kernel too. Within the fused kernel
+    a tensor's last ``numel % vector width`` elements take a scalar loop that can round differently from the
+    vector loop (AVX2 and AVX-512 builds); the shard steps each chunk as a tensor of its own, and
+    ``plan_and_spec``'s chunks are 64 elements, a multiple of the vector width (8 or 16 floats), so every
+    element takes the same loop here as in the whole tensor.
+    """
     ref = nn.Linear(20, 10)
     ref.load_state_dict(m.state_dict())
-    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1, fused=True)
     for fill in fills:
         for p in ref.parameters():
             p.grad = torch.full_like(p, fill)

@@ -152,6 +152,17 @@ class ForkedCluster(LocalCluster):
         raise RuntimeError(f"shard {shard} did not report its address (exit code {proc.poll()}):\n"
                            f"{self.log_tail(shard)}")
 
+    def reset(self) -> None:
+        """``shardps reset`` of every shard: a fresh job for the next test sharing this cluster."""
+        from shardps.worker.session.client import ShardClient
+
+        for address in self.addresses:
+            client = ShardClient(address, index=0)
+            try:
+                client.reset()
+            finally:
+                client.close()
+
 
 class _InheritedFd:
     """A file descriptor handed to a forked child (``multiprocessing``'s fd passing); the child gets its own copy."""

@@ -136,7 +136,7 @@ def test_distributed_optimizer_signature() -> None:
     assert list(params) == ["optimizer", "named_parameters", "servers", "worker_id", "model", "named_buffers",
                             "broadcast_buffers", "backward_passes_per_step", "max_grad_norm", "norm_type",
                             "grad_scaler", "push_during_backward", "consistency", "wire", "observability",
-                            "sparse_optimizer",
+                            "sparse_optimizer", "resume",
                             "legacy"]
     assert params["consistency"].default == ConsistencyOptions()
     assert params["wire"].default == WireOptions()

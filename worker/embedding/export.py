@@ -41,7 +41,7 @@ class TableExport:
         """Rows of int64 ``ids`` (any shape) as training reads them: ``[*ids.shape, dim]`` float32."""
         s = self.spec
         flat = ids.reshape(-1)
-        out = initial_rows(s.name, flat, s.embedding_dim, s.seed, s.init_scale, s.padding_idx)
+        out = s.initial_rows(flat)
         if self.ids.numel():
             pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.numel() - 1)
             hit = self.ids[pos] == flat

@@ -18,15 +18,16 @@ optimizer step count matches torch's.
 
 from __future__ import annotations
 
-import math
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import finite
-from shardps.common.rows import TableSpec, ids_bytes, rows_bytes, rows_from, shard_of
+from shardps.common.rows import (
+    TableSpec, check_lr, hyperparam_problems, ids_bytes, rows_bytes, rows_from, shard_of,
+)
 from shardps.worker.embedding.export import TableExport, export_table
 from shardps.worker.embedding.modules import ShardedTable, is_table_handle, table_of
 from shardps.worker.session.client import ShardClient, ShardRpcError
@@ -38,35 +39,69 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for sharded tables: one accumulator per row, the mean of its squared gradient
     (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``). Only a description for the shards: ``step()`` raises.
 
-    Args: ``params`` (table handles), ``lr``, ``eps`` (1e-10), ``initial_accumulator_value`` (0).
+    Args: ``params`` (table handles), ``lr``, ``eps`` (1e-10), ``initial_accumulator_value`` (0),
+    ``weight_decay`` (0: added to the touched rows' gradient, ``grad + weight_decay * row``).
     """
 
-    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value})
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value,
+                                  "weight_decay": weight_decay})
 
     def step(self, closure=None):
         raise RuntimeError("RowWiseAdagrad runs on the shards: call DistributedOptimizer.step()")
 
 
 def _group_spec(opt: torch.optim.Optimizer, group: dict) -> tuple[str, dict[str, float]]:
-    """The row optimizer and hyperparameters of one param group. Raises ValueError: what the shards cannot run."""
+    """The row optimizer and hyperparameters of one param group, checked as the shards check them.
+
+    ``torch.optim.Adam`` and ``AdamW`` run as lazy Adam: their own update applied to the rows a step touches
+    only (as ``torch.optim.SparseAdam``, only those rows and their moments move); ``weight_decay`` (SGD, Adagrad, Adam, AdamW,
+    RowWiseAdagrad) decays the touched rows only (``shardps.server.sparse.optimizers``). The hyperparameters
+    must be in torch's own ranges (``0 <= beta < 1``; ``lr_decay``, ``initial_accumulator_value``,
+    ``weight_decay`` >= 0), with ``eps > 0`` and every value within float32's range
+    (``shardps.common.rows.hyperparam_problems``): a param group edited after its optimizer was built is
+    refused here, before any table is declared, as the shards would refuse it.
+
+    Raises:
+        ValueError: what the shards cannot run, naming the setting and what to use instead.
+    """
     name = type(opt).__name__
-    if group.get("maximize") or group.get("weight_decay"):
-        raise ValueError(f"sparse tables take {name} without maximize or weight_decay (torch's sparse {name} "
-                         "refuses them too); add an L2 term on the looked-up rows to the loss instead")
+    if group.get("maximize"):
+        raise ValueError(f"sparse tables take {name} without maximize=True: negate the loss instead")
+    decay = {"weight_decay": float(group.get("weight_decay") or 0.0)}
+    torch_names = {"beta1": "betas[0]", "beta2": "betas[1]"}
     if isinstance(opt, torch.optim.SGD):
         if group.get("momentum") or group.get("nesterov") or group.get("dampening"):
-            raise ValueError("sparse tables take torch.optim.SGD without momentum, dampening or nesterov")
-        return "sgd", {}
-    if isinstance(opt, torch.optim.Adagrad):
-        return "adagrad", {k: float(group[k]) for k in ("lr_decay", "initial_accumulator_value", "eps")}
-    if isinstance(opt, torch.optim.SparseAdam):
-        return "sparse_adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
-                               "eps": float(group["eps"])}
-    if isinstance(opt, RowWiseAdagrad):
-        return "rowwise_adagrad", {k: float(group[k]) for k in ("initial_accumulator_value", "eps")}
-    raise ValueError(f"sparse_optimizer must be torch.optim.SGD, Adagrad, SparseAdam or "
-                     f"shardps.worker.RowWiseAdagrad, got {name}")
+            raise ValueError("sparse tables take torch.optim.SGD without momentum, dampening or nesterov (a row "
+                             "untouched for many steps would still move): use Adagrad, Adam or RowWiseAdagrad "
+                             "for the tables")
+        kind, hyper = "sgd", decay
+    elif isinstance(opt, torch.optim.Adagrad):
+        kind, hyper = "adagrad", {**{k: float(group[k]) for k in ("lr_decay", "initial_accumulator_value", "eps")},
+                                  **decay}
+    elif isinstance(opt, torch.optim.SparseAdam):
+        kind, hyper = "sparse_adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
+                                      "eps": float(group["eps"])}
+    elif isinstance(opt, torch.optim.Adam):  # AdamW too (a subclass with decoupled_weight_decay=True)
+        if group.get("amsgrad"):
+            raise ValueError(f"sparse tables take {name} without amsgrad=True (lazy row-wise Adam keeps no max of "
+                             "the second moments): drop amsgrad for the tables' optimizer")
+        kind, hyper = "adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
+                               "eps": float(group["eps"]), **decay,
+                               "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay")))}
+    elif isinstance(opt, RowWiseAdagrad):
+        kind, hyper = "rowwise_adagrad", {**{k: float(group[k]) for k in ("initial_accumulator_value", "eps")},
+                                          **decay}
+    else:
+        raise ValueError(f"sparse_optimizer must be torch.optim.SGD (no momentum), Adagrad, Adam, AdamW, SparseAdam "
+                         f"or shardps.RowWiseAdagrad, got {name}")
+    problems = hyperparam_problems(kind, hyper)
+    if problems:
+        named = [f"{torch_names.get(p.split(':')[0], p.split(':')[0])}:{p.split(':', 1)[1]}" for p in problems]
+        raise ValueError(f"sparse tables cannot run {name} with {'; '.join(named)}: the shards would refuse to "
+                         "step the tables with it")
+    return kind, hyper
 
 
 def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: torch.optim.Optimizer | None,
@@ -78,9 +113,10 @@ def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: tor
             ``sparse_optimizer``; tables with async/ssp, ``max_grad_norm`` or ``grad_scaler``.
     """
     if any(is_table_handle(p) for g in optimizer.param_groups for p in g["params"]):
-        raise ValueError("the optimizer holds the handle of a sharded table: give table handles to "
-                         "sparse_optimizer= (torch.optim.SGD, Adagrad, SparseAdam or RowWiseAdagrad) and the dense "
-                         "parameters to the optimizer")
+        raise ValueError("the optimizer holds the handle of a sharded table: give the table handles to "
+                         "sparse_optimizer= (torch.optim.SGD, Adagrad, Adam, AdamW, SparseAdam or RowWiseAdagrad; "
+                         "shardps.sharded_parameters(model) splits a model's parameters into the two) and the "
+                         "dense parameters to the optimizer")
     if sparse_optimizer is None:
         if model is not None and any(isinstance(m, ShardedTable) for m in model.modules()):
             raise ValueError("model has sharded embedding tables: pass sparse_optimizer= over their handles")
@@ -117,11 +153,7 @@ def table_specs(opt: torch.optim.Optimizer,
             if name in out:
                 raise ValueError(f"two sharded tables are named {name!r}: give each its own name=")
             module.name = name
-            spec = TableSpec(name=name, embedding_dim=module.embedding_dim, num_embeddings=module.num_embeddings or 0,
-                             padding_idx=-1 if module.padding_idx is None else module.padding_idx, optimizer=kind,
-                             hyperparams=hyper, seed=module.seed, init_scale=module.init_scale,
-                             min_count=module.min_count, ttl_rounds=module.ttl_rounds, capacity=module.capacity,
-                             max_bytes=module.max_bytes)
+            spec = replace(module.spec(), optimizer=kind, hyperparams=hyper)
             out[name] = (module, spec, group)
     return out
 
@@ -178,13 +210,15 @@ class SparseTables:
         self._max_message_bytes = max_message_bytes
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
-        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shardps-rows")
+        self._pool = ShardClient.call_pool(len(clients), "shardps-rows")  # daemon threads: never hold the exit
         self._push = 0  # pushes prepared (numbered)
         self._sent = 0  # the last push every shard took
         self._sizes: list[int] = []  # bytes of each request of the last prepare()
         self.pushed_bytes = self.pulled_bytes = 0
         #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
         self.prefetches = {"used": 0, "dropped": 0, "pulled_again": 0}
+        #: prefetches of the tables' own lookups (:meth:`prefetch_tables`): [Prefetch, rows or None], in order
+        self._ahead: list[list] = []
         self._declare(range(len(clients)))
         for module, _, _ in self.tables.values():
             module.attach(self)
@@ -332,7 +366,8 @@ class SparseTables:
         """This step's push, one request per shard, checked (nothing is sent); forgets the step's lookups.
 
         Raises:
-            ValueError: a table's learning rate is not finite and >= 0, another hyperparameter changed, a
+            ValueError: a table's learning rate is not finite, >= 0 and at most float32's largest value
+                (``shardps.common.rows.check_lr``), another hyperparameter changed or left torch's range, a
                 gradient is not finite, or a request would pass the message limit. Nothing was pushed.
         """
         num_shards = len(self._clients)
@@ -344,9 +379,7 @@ class SparseTables:
             module.pending.clear()
             if not lookups:
                 continue  # as torch: a table without a gradient this step is not stepped
-            lr = float(group["lr"])
-            if not (math.isfinite(lr) and lr >= 0):
-                raise ValueError(f"learning rate of table {name!r} is {lr}; it must be finite and >= 0")
+            lr = check_lr(name, group["lr"])  # finite, >= 0, within float32's range: as the shards check it
             if _group_spec(self._optimizer, group)[1] != spec.hyperparams:
                 raise ValueError(f"a hyperparameter of table {name!r} changed after it was declared; only lr may "
                                  "change during training")
@@ -377,6 +410,7 @@ class SparseTables:
                              f"message limit of {self._max_message_bytes} bytes: raise WireOptions(max_message_bytes=) "
                              "(and the shards' --max-message-bytes), or use smaller batches; nothing was pushed")
         self._push += 1
+        self._drop_ahead(before=self._push)
         self._sizes = sizes
         return requests
 
@@ -393,10 +427,72 @@ class SparseTables:
         self._sent = requests[0].push
 
     def export(self, name: str) -> "TableExport":
-        """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``)."""
+        """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``), read once this
+        worker's last push is applied on every shard (what its next forward would read).
+
+        Raises:
+            ShardRpcError: a shard refused or could not be reached; the round of the last push was refused.
+        """
+        self.settle(name)
         return export_table(self._clients, name, self._max_message_bytes)
+
+    def settle(self, name: str) -> None:
+        """Wait until this worker's last push is applied on every shard (a pull of no ids of table ``name``).
+
+        Raises:
+            ShardRpcError: as :meth:`pull_many`.
+        """
+        empty = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, after_push=True,
+                                   tables=[pb.TableIds(table=name, ids=b"")])
+        list(self._pool.map(lambda s: self._call(s, lambda c: c.pull_rows(empty)), range(len(self._clients))))
+
+    # ------------------------------------------------------------ prefetches of single modules' lookups
+    def prefetch_tables(self, wanted: dict[str, torch.Tensor]) -> None:
+        """Start pulling the rows of ``wanted`` (``{table name: unique sorted int64 ids}``) for the forward after
+        this worker's next push (:meth:`prefetch`); that forward's lookups of these tables whose ids are all
+        among them read their rows from it (:meth:`prefetched`) instead of pulling one table at a time. Used
+        by ``shardps.worker.embedding.prefetch.prefetching``.
+
+        Raises:
+            KeyError: a name that is not a table of this optimizer.
+        """
+        unknown = [n for n in wanted if n not in self.tables]
+        if unknown:
+            raise KeyError(f"no sharded table named {unknown[0]!r} (tables: {', '.join(self.tables)})")
+        parts = [(name, ids) for name, ids in wanted.items() if ids.numel()]
+        if parts:
+            self._ahead.append([self.prefetch(parts), None])
+
+    def prefetched(self, name: str, unique: torch.Tensor) -> torch.Tensor | None:
+        """Rows of table ``name`` for unique sorted int64 ``unique`` ``[m]`` from the prefetch made for the
+        forward after this worker's last push, when it holds every one of these ids: float32 ``[m, dim]``, the
+        values :meth:`pull` would return now; else None (pull them)."""
+        for entry in self._ahead:
+            prefetch = entry[0]
+            if prefetch.number != self._push or name not in {n for n, _ in prefetch.parts}:
+                continue
+            if entry[1] is None:
+                entry[1] = self.collect(prefetch) or []  # [] : it could not be answered (pull instead)
+            for (part, ids), rows in zip(prefetch.parts, entry[1]):
+                if part != name or not ids.numel():
+                    continue
+                at = torch.searchsorted(ids, unique).clamp_(max=ids.numel() - 1)
+                if unique.numel() and not bool((ids.index_select(0, at) == unique).all()):
+                    return None
+                return rows.index_select(0, at)  # a tensor of its own: each lookup has its own leaf
+        return None
+
+    def _drop_ahead(self, before: int) -> None:
+        """Forget the prefetches for forwards before push ``before`` (cancelled if still in flight)."""
+        keep = []
+        for entry in self._ahead:
+            if entry[0].number >= before:
+                keep.append(entry)
+            elif entry[1] is None:
+                entry[0].drop(self)
+        self._ahead = keep
 
     def close(self) -> None:
         for module, _, _ in self.tables.values():
             module.attach(None)
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # calls in flight end when the channels close

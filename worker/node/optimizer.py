@@ -69,6 +69,7 @@ from shardps.common.plan import PartitionPlan
 from shardps.worker.session.client import ShardClient
 from shardps.worker import optimizer_state as optimizer_state
 from shardps.worker.config import WireOptions, moved_keywords_error, node_refusal
+from shardps.worker.job import check_resume
 from shardps.worker.optimizer import DistributedOptimizer
 from shardps.worker.session.recovery import rejoin_failed
 from shardps.worker.session.retry import RetryPolicy
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 
 #: The keywords a NodeOptimizer passes on to its leader's DistributedOptimizer.
 FORWARDED_KEYWORDS = frozenset({"broadcast_buffers", "backward_passes_per_step", "max_grad_norm", "norm_type",
-                                "consistency", "wire", "observability"})
+                                "consistency", "wire", "observability", "resume"})
 
 
 class NodeOptimizer:
@@ -111,7 +112,9 @@ class NodeOptimizer:
             (:class:`~shardps.worker.config.WireOptions`: every local rank opens its
             channels with its timeouts, retries, message limit and TLS), ``observability``
             (the leader's metrics), ``max_grad_norm``, ``norm_type``,
-            ``backward_passes_per_step``, ``broadcast_buffers``. ``model`` (overlapped
+            ``backward_passes_per_step``, ``broadcast_buffers``, ``resume`` (the leader
+            alone joins: with ``"refuse"`` and a job past version 0 it raises
+            ``RunningJobError`` and the other ranks a ``RuntimeError``). ``model`` (overlapped
             pulls), ``grad_scaler`` and ``push_during_backward`` are not supported here:
             the node pushes at ``step()``.
 
@@ -139,6 +142,7 @@ class NodeOptimizer:
         if unknown:
             raise moved_keywords_error(unknown, where="NodeOptimizer")
         servers = parse_servers(servers)
+        check_resume(kwargs.get("resume", "allow"))  # on every rank, before any collective
         wire = kwargs.get("wire", WireOptions())
         if not isinstance(wire, WireOptions):
             raise TypeError(f"wire= takes a shardps.worker.config.WireOptions(...), got {type(wire).__name__}")

@@ -19,7 +19,7 @@ one stream per round from that member, as from a single process.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import torch
@@ -238,7 +238,7 @@ class ShardShare:
             for c in (*self._chunks[s], *self._buffer_chunks[s]):
                 self._counts[c.key] = self._counts.get(c.key, 0) + 1
         self._start = key_starts(plan)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="shardps-share")
+        self._pool = ShardClient.call_pool(max(1, len(self.clients)), "shardps-share")  # daemon: never holds the exit
         self.last_pushed_bytes: dict[int, int] = {}
 
     def push_pull(self, versions: Sequence[int], trailer: pb.RoundTrailer, flat: torch.Tensor,

@@ -1,1 +1,2 @@
-"""A worker's session with the shards: connections, joining, leases, retries and recovery after a shard restart."""
+"""A worker's session with the shards: connections, joining, leases, retries, recovery after a shard restart, and
+leaving at interpreter exit."""

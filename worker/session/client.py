@@ -1,6 +1,15 @@
-"""A connection to one shard: control calls through the generated stub, Frame streams as raw bytes."""
+"""A connection to one shard: control calls through the generated stub, Frame streams as raw bytes.
+
+Heartbeats go over a second channel with a TCP connection of its own (the
+lease channel, opened at the first heartbeat): on one connection they would
+queue behind the megabytes of chunks a push has written into HTTP/2's
+window and the socket's send buffer, and on a slow link wait longer than
+the lease.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 
@@ -8,10 +17,16 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
 from shardps.common.security import ChannelSecurity
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from shardps.worker.session.exit import DaemonPool
 from shardps.worker.session.relay import StreamRelay
 from shardps.worker.session.retry import RetryPolicy, retry
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+
+#: Channel arguments of the lease channel besides the main channel's: gRPC shares one connection between the
+#: channels of a process with the same target and arguments (its global subchannel pool); a pool of the channel's
+#: own gives it a connection of its own.
+LEASE_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def _joined(frames):
@@ -51,6 +66,10 @@ class ShardClient:
     bearer token on the channel; None: plaintext, no token. A shard that
     refuses the token answers every call with UNAUTHENTICATED (not retried).
 
+    Heartbeats use a second channel, with the same address, options and
+    ``security`` and a connection of its own (:data:`LEASE_CHANNEL_OPTIONS`),
+    opened at the first heartbeat and closed by :meth:`close`.
+
     Raises:
         ConnectionError: the shard did not answer within ``connect_timeout`` seconds (a failed TLS
             handshake looks the same: the message then points at the TLS settings).
@@ -71,6 +90,11 @@ class ShardClient:
         self.address, self.index, self.rpc_timeout, self.retry = address, index, rpc_timeout, retry
         self.security = security or ChannelSecurity()
         options = channel_options(max_message_bytes)
+        self._options = options
+        self._lease_lock = threading.Lock()
+        self._lease_channel: grpc.Channel | None = None
+        self._heartbeat = None
+        self._closed = False
         self.channel = self.security.channel(address, options)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout)  # blocking wait
@@ -91,6 +115,17 @@ class ShardClient:
         self._export = self.channel.unary_stream(path + "Export", request_serializer=pb.ExportRequest.SerializeToString)
         #: ``stream_process``: PushPull streams go through a helper process with a channel of its own (relay.py)
         self.relay = StreamRelay(address, {"security": self.security, "options": options}) if stream_process else None
+
+    @staticmethod
+    def call_pool(shards: int, name: str) -> DaemonPool:
+        """Threads that call up to ``shards`` shards at once, named ``<name>_<n>``: daemon threads that the
+        interpreter never waits for at exit (``shardps.worker.session.exit.DaemonPool``; closing the channels
+        ends the calls in flight).
+
+        Raises:
+            ValueError: ``shards < 1``.
+        """
+        return DaemonPool(shards, thread_name_prefix=name)
 
     def error(self, what: str, exc: grpc.RpcError) -> ShardRpcError:
         """Wrap a gRPC error of call ``what`` with this shard's index and address."""
@@ -129,10 +164,40 @@ class ShardClient:
         ``min_version``); iterate the call for raw frames."""
         return self._export(pb.ExportRequest(min_version=min_version), timeout=self.rpc_timeout)
 
+    def _heartbeat_call(self):
+        """The Heartbeat call of the lease channel, opened at the first use.
+
+        Raises:
+            ShardRpcError: CANCELLED, the client is closed.
+        """
+        with self._lease_lock:
+            if self._closed:
+                raise ShardRpcError(self.index, self.address, "heartbeat", grpc.StatusCode.CANCELLED,
+                                    "the client is closed")
+            if self._heartbeat is None:
+                self._lease_channel = self.security.channel(self.address, [*self._options, *LEASE_CHANNEL_OPTIONS])
+                self._heartbeat = self._lease_channel.unary_unary(
+                    f"/{_SERVICE}/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
+                    response_deserializer=pb.HeartbeatReply.FromString)
+            return self._heartbeat
+
+    def heartbeat_future(self, worker_id: str, session: str, timeout: float) -> grpc.Future:
+        """Start a Heartbeat over the lease channel without waiting: a ``grpc.Future`` whose ``result()`` is the
+        reply (or raises ``grpc.RpcError``; :meth:`error` wraps it). Not retried.
+
+        Raises:
+            ShardRpcError: CANCELLED, the client is closed.
+        """
+        request = pb.HeartbeatRequest(worker_id=worker_id, session=session)
+        return self._heartbeat_call().future(request, timeout=timeout)
+
     def heartbeat(self, worker_id: str, session: str, timeout: float) -> pb.HeartbeatReply:
-        """Renew this worker's lease on the shard; the shard's membership."""
-        return self._unary("heartbeat", self.stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, session=session),
-                           timeout)
+        """Renew this worker's lease on the shard, over the lease channel; the shard's membership (not retried)."""
+        call = self.heartbeat_future(worker_id, session, timeout)
+        try:
+            return call.result()
+        except grpc.RpcError as exc:
+            raise self.error("heartbeat", exc) from None
 
     def stats(self, digest: bool = False, plan: bool = False, timeout: float | None = None,
               retried: bool = True) -> pb.StatsReply:
@@ -196,7 +261,12 @@ class ShardClient:
         return self._unary("export_rows", self.stub.ExportRows, request, timeout, repeatable=True)
 
     def close(self) -> None:
-        """Close the channel and the stream process (calls still running on them fail with CANCELLED)."""
+        """Close the channels and the stream process (calls still running on them fail with CANCELLED)."""
+        with self._lease_lock:
+            self._closed = True
+            lease, self._lease_channel, self._heartbeat = self._lease_channel, None, None
+        if lease is not None:
+            lease.close()
         if self.relay is not None:
             self.relay.close()
         self.channel.close()

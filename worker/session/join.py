@@ -138,6 +138,7 @@ def join_job(
     join: JoinPlan,
     init_frames: Callable[[int], object],
     pull: Callable[[int, list], int],
+    on_joined: Callable[[list[pb.JoinReply]], None] | None = None,
 ) -> Joined:
     """Join every shard, initialise those that name this worker, and pull version 0 or later from each.
 
@@ -148,6 +149,8 @@ def join_job(
         init_frames: ``init_frames(shard)`` -> the encoded Init stream for that shard.
         pull: ``pull(shard, calls)`` pulls from that shard, appending its gRPC call
             to ``calls`` (so a failing shard can cancel the others), and returns the version.
+        on_joined: called with every shard's JoinReply once all of them took this worker, before the Init
+            and the first pull (each attempt): where the worker starts its heartbeats.
 
     Returns:
         :class:`Joined`.
@@ -168,6 +171,8 @@ def join_job(
 
         replies = [first, *pool.map(lambda c: _join_one(c, follow, join.patience), clients[1:])]
         _check_replies(replies, join.mode is None or join.mode.mode in ("", "sync"))
+        if on_joined is not None:
+            on_joined(replies)
         told = [i for i, r in enumerate(replies) if r.initialise]
         if told:
             log.info("worker %s initialises shard(s) %s of job %s", join.worker_id, told, first.job.job_id)

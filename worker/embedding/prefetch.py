@@ -1,0 +1,120 @@
+"""Prefetching from the data loader: the next batch's rows pulled while this step computes, whoever owns the loop.
+
+A model ported from a recommender library keeps one sharded module per
+feature (``shardps.worker.embedding.porting.shard_embeddings``) and its
+library's trainer owns the training loop, so nothing can call
+``ShardedEmbeddingBagCollection.prefetch`` between a step's forward and its
+``step()``. Each module would then pull its own rows, one round trip per
+module and shard, in sequence. Wrapping the trainer's data loader is one
+line::
+
+    loader = shardps.prefetching(loader, dist, lambda batch: {model.user: batch["user"], ...})
+
+When the trainer takes batch ``k`` (after step ``k - 1``'s ``step()``), the
+wrapper reads batch ``k + 1`` from the loader and asks the shards for the
+rows of all its tables, one call per shard, answered once step ``k``'s push
+is applied there (``SparseTables.prefetch_tables``; TorchRec's prefetching
+train pipeline overlaps its input lookups the same way). During step ``k +
+1``'s forward, each module's lookup whose ids are all among the prefetched
+ones reads its rows from that answer, the values a pull would return then
+(the sync oracle holds); a lookup with other ids (an evaluation batch, an
+``ids_of`` that misses a field) pulls as before, so a wrong ``ids_of``
+costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from shardps.worker.embedding.modules import ShardedTable, unique_ids
+
+__all__ = ["prefetching", "Prefetching"]
+
+
+def _tables_of(dist):
+    tables = getattr(dist, "tables", None)
+    if tables is None or not hasattr(tables, "prefetch_tables"):
+        raise TypeError("prefetching takes the DistributedOptimizer that trains the tables "
+                        "(DistributedOptimizer(..., sparse_optimizer=)), got "
+                        f"{type(dist).__name__}" + (" without sparse tables" if hasattr(dist, "tables") else ""))
+    return tables
+
+
+class Prefetching:
+    """Iterates ``loader`` one batch ahead, prefetching the next batch's rows (module docstring).
+
+    Args:
+        loader: any iterable of batches (a ``torch.utils.data.DataLoader``, a list...); ``len()`` is its own.
+        dist: the ``DistributedOptimizer`` (or ``NodeOptimizer``) whose ``sparse_optimizer`` trains the tables.
+        ids_of: ``batch -> {module or table name: ids}``: the ids each sharded module will look up in that
+            batch (int tensors of any shape; a module called for two fields takes both fields' ids, as a
+            list of tensors or concatenated).
+
+    Raises (while iterating):
+        TypeError: ``dist`` trains no sharded tables; ``ids_of`` returned something else than a mapping of
+            ``ShardedTable`` modules or table names to int tensors.
+        KeyError: a module or name that is not a table of ``dist``.
+    """
+
+    def __init__(self, loader: Iterable, dist, ids_of: Callable[[object], Mapping]) -> None:
+        self.loader, self.ids_of = loader, ids_of
+        self._tables = _tables_of(dist)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # TypeError where the loader has none, as the loader itself
+
+    def _wanted(self, batch) -> dict[str, torch.Tensor]:
+        got = self.ids_of(batch)
+        if not isinstance(got, Mapping):
+            raise TypeError(f"ids_of must return {{module or table name: ids}}, got {type(got).__name__}")
+        wanted: dict[str, list[torch.Tensor]] = {}
+        for key, ids in got.items():
+            name = key.name if isinstance(key, ShardedTable) else key
+            if not isinstance(name, str):
+                raise TypeError(f"ids_of's keys are sharded modules or table names, got {type(key).__name__}")
+            for t in (ids if isinstance(ids, (list, tuple)) else [ids]):
+                if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+                    raise TypeError(f"ids_of gave table {name!r} a {type(t).__name__} "
+                                    f"{getattr(t, 'dtype', '')}, not an int tensor of ids")
+                wanted.setdefault(name, []).append(t.reshape(-1).to("cpu", torch.int64))
+        out = {}
+        for name, parts in wanted.items():
+            module = self._tables.tables[name][0] if name in self._tables.tables else None
+            if module is None:
+                raise KeyError(f"no sharded table named {name!r} (tables: {', '.join(self._tables.tables)})")
+            ids = torch.cat(parts)
+            n = module.num_embeddings or 0  # a bitmap where the ids are in range (the forward checks them)
+            in_range = n and ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < n
+            unique = unique_ids(ids, n if in_range else 0)[0]
+            if module.padding_idx is not None:
+                unique = unique[unique != module.padding_idx]
+            out[name] = unique
+        return out
+
+    def __iter__(self) -> Iterator:
+        it = iter(self.loader)
+        try:
+            ahead = next(it)
+        except StopIteration:
+            return
+        while True:
+            batch = ahead
+            try:
+                ahead = next(it)
+            except StopIteration:
+                yield batch
+                return
+            # the trainer took `batch` after its last step(): `ahead` is the batch after the next step()
+            self._tables.prefetch_tables(self._wanted(ahead))
+            yield batch
+
+
+def prefetching(loader: Iterable, dist, ids_of: Callable[[object], Mapping]) -> Prefetching:
+    """``loader`` with the next batch's rows prefetched while each step computes: :class:`Prefetching`.
+
+    Raises:
+        TypeError: ``dist`` trains no sharded tables.
+    """
+    return Prefetching(loader, dist, ids_of)
