@@ -308,14 +308,16 @@ class Pool:
             out.append(value)
         return out
 
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
+    def close(self, grace: float = 10.0) -> None:
+        """Ask every process to end (``grace`` seconds each, 0: kill at once), then kill what is left."""
+        if grace:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=grace)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -324,13 +326,7 @@ class Pool:
         self.procs, self.conns = [], []
 
     def restart(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
+        self.close(grace=0)
         self.start()
 
 
