@@ -34,7 +34,7 @@ _WHERE = {
     "ShardedEmbedding": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBag": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBagCollection": "shardps.worker.embedding.collection",
-    "RowWiseAdagrad": "shardps.worker.embedding.tables",
+    "RowWiseAdagrad": "shardps.worker.embedding.specs",
     "TableExport": "shardps.worker.embedding.export",
     "local_model": "shardps.worker.embedding.local",
     "HashedEmbedding": "shardps.worker.embedding.local",

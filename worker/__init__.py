@@ -19,7 +19,7 @@ _WHERE = {
     "ShardedEmbedding": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBag": "shardps.worker.embedding.modules",
     "ShardedEmbeddingBagCollection": "shardps.worker.embedding.collection",
-    "RowWiseAdagrad": "shardps.worker.embedding.tables",
+    "RowWiseAdagrad": "shardps.worker.embedding.specs",
 }
 
 

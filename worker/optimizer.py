@@ -50,7 +50,8 @@ from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
 from shardps.worker.pipeline.steps import RoundSteps
 from shardps.worker.embedding.modules import is_table_handle
-from shardps.worker.embedding.tables import SparseTables, check_sparse_options
+from shardps.worker.embedding.specs import check_sparse_options
+from shardps.worker.embedding.tables import SparseTables
 from shardps.worker.pipeline.tensors import HyperparamChanges, buffer_infos, static_digest
 
 __all__ = ["DistributedOptimizer", "GradientEditedError", "default_worker_id"]
@@ -334,15 +335,18 @@ class DistributedOptimizer(RoundSteps, JobView):
     def synchronize(self) -> None:
         """Wait until the parameters of every ``step()`` so far are in the model.
 
-        Starts no round: gradients are pushed only by ``step()``. A no-op
-        unless ``model`` was given (then the last step's pull may still be
-        landing). Blocks on the network.
+        Starts no round: gradients are pushed only by ``step()``. Waits for
+        the last step's pull when ``model`` was given, and until every shard
+        took the last step's table rows (``sparse_optimizer``). Blocks on the
+        network.
 
         Raises:
             ShardRpcError: a shard refused the push or the pull (its message says why).
             RuntimeError: a shard answered outside the protocol.
         """
         self._finish_pull()
+        if self._tables is not None:
+            self._tables.wait_sent()
 
     def step(self, closure=None):
         """Finish this round: push the gradients, pull the updated parameters (and buffers) into the model.
@@ -352,13 +356,17 @@ class DistributedOptimizer(RoundSteps, JobView):
         gradient for them: then it is averaged with this worker's zeros, as DDP
         does). Without ``model`` this blocks until the parameters are in
         place; with ``model`` it returns once the gradients are handed off.
+        Sharded tables' rows are handed off too: the next lookup, export or
+        ``synchronize()`` waits until every shard took them and raises a
+        refusal of that push.
 
         Returns:
             ``closure()``'s loss, if a closure is given.
 
         Raises:
             GradientEditedError: a gradient changed after its push started.
-            ShardRpcError: a shard refused the push or the pull (its message says why).
+            ShardRpcError: a shard refused the push or the pull (its message says why); a shard refused the
+                previous step's table rows.
             RuntimeError: a shard answered outside the protocol, or a round was
                 skipped for overflow without a GradScaler.
         """
@@ -372,7 +380,7 @@ class DistributedOptimizer(RoundSteps, JobView):
         own = self._own
         self._start_pull(None if own is None else own.prepare({k: p.grad for k, p in self._params.items()}))
         if rows is not None:
-            self._tables.send(rows)  # blocking: every shard took this step's rows (applied once all are in)
+            self._tables.send(rows)  # on its way: the next forward's rows wait until every shard took it
         rnd = self._pulling
         if rnd.decide is not None:
             self.last_step_skipped = await_decision(rnd, self._options, self._optimizer, self._finish_pull)

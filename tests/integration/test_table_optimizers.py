@@ -155,7 +155,7 @@ def test_rows_start_from_their_initialiser_on_every_shard(shards, init):
 
 def test_settings_a_table_cannot_honour_are_refused_naming_them():
     p = [ShardedEmbedding(None, 4, name="t").handle]
-    from shardps.worker.embedding.tables import _group_spec
+    from shardps.worker.embedding.specs import group_spec as _group_spec
     with pytest.raises(ValueError, match="amsgrad"):
         _group_spec(torch.optim.Adam(p, amsgrad=True), torch.optim.Adam(p, amsgrad=True).param_groups[0])
     with pytest.raises(ValueError, match="momentum"):

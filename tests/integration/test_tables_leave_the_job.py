@@ -187,7 +187,9 @@ def test_a_closed_job_says_how_to_evaluate_and_loading_rows_into_shards_is_refus
     assert torch.equal(local.user.weight, state["user.weight"])
 
 
-def test_a_prefetching_loader_trains_bit_for_bit_as_the_plain_loop(shards):
+def plain_and_prefetching(shards, edit=lambda b: b) -> list[tuple[dict, dict]]:
+    """``(state_dict, prefetch counts)`` after STEPS steps of the plain loop, then of the loop over a prefetching
+    loader; the trainer passes each batch through ``edit`` before its forward."""
     results = []
     for prefetch in (False, True):
         reset(shards)
@@ -198,12 +200,29 @@ def test_a_prefetching_loader_trains_bit_for_bit_as_the_plain_loop(shards):
             if prefetch:
                 loader = shardps.prefetching(loader, dist, lambda b: {model.user: b["user"], model.genres: b["genres"],
                                                                       "item": b["item"], model.tags: b["tags"]})
-            train(model, dist, loader)
+            train(model, dist, (edit(b) for b in loader))
             results.append((model.state_dict(), dict(dist.tables.prefetches)))
         finally:
             dist.close()
-    (plain, _), (fetched, counts) = results
+    return results
+
+
+def test_a_prefetching_loader_trains_bit_for_bit_as_the_plain_loop(shards):
+    (plain, _), (fetched, counts) = plain_and_prefetching(shards)
     assert counts == {"used": STEPS - 1, "dropped": 0, "pulled_again": 0}, counts
+    for k in plain:
+        assert torch.equal(plain[k], fetched[k]), k
+
+
+def test_ids_edited_after_the_loader_gave_them_are_looked_up_as_edited(shards):
+    """A lookup reuses what the prefetching loader made of a tensor's ids only while the tensor is unedited: a
+    trainer that edits the batch's ids in place trains as the plain loop on the edited ids, bit for bit."""
+    def edited(b: dict) -> dict:
+        b["user"][:3] = 29 - b["user"][:3]  # in place: the tensor ids_of saw, edited after it saw it
+        b["item"].add_(7919)
+        return b
+
+    (plain, _), (fetched, _) = plain_and_prefetching(shards, edited)
     for k in plain:
         assert torch.equal(plain[k], fetched[k]), k
 

@@ -29,6 +29,7 @@ loads such a state into a plain model.
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -102,6 +103,9 @@ class ShardedTable(nn.Module):
         self.tables = None  # the DistributedOptimizer's SparseTables once attached (``attach``)
         self.closed = False  # it was attached, then detached: its DistributedOptimizer was closed
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, leaf) per lookup of the step
+        #: ``(ids, ids._version, unique, inverse)`` of the last two batches' ids that a prefetching loader already
+        #: checked and made unique (``prefetch.Prefetching``): a lookup of that very tensor reuses them
+        self.known: collections.deque = collections.deque(maxlen=2)
 
     def extra_repr(self) -> str:
         size = "hashed" if self.num_embeddings is None else str(self.num_embeddings)
@@ -189,6 +193,9 @@ class ShardedTable(nn.Module):
         Raises:
             RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
         """
+        for known, version, unique, inverse in self.known:
+            if known is ids and version == ids._version and self.tables is not None:
+                return unique, inverse.view(ids.shape), None  # checked, made unique and without padding
         self.check_lookup(ids)
         unique, inverse = unique_ids(ids, self.num_embeddings or 0) if unique_inverse is None else unique_inverse
         pad = None

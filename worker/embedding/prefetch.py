@@ -19,7 +19,9 @@ train pipeline overlaps its input lookups the same way). During step ``k +
 ones reads its rows from that answer, the values a pull would return then
 (the sync oracle holds); a lookup with other ids (an evaluation batch, an
 ``ids_of`` that misses a field) pulls as before, so a wrong ``ids_of``
-costs speed, never correctness.
+costs speed, never correctness. A lookup of the very tensor ``ids_of``
+named for a table (not edited since) reuses the unique ids and the range
+check made here.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Prefetching:
         if not isinstance(got, Mapping):
             raise TypeError(f"ids_of must return {{module or table name: ids}}, got {type(got).__name__}")
         wanted: dict[str, list[torch.Tensor]] = {}
+        sources: dict[str, list[torch.Tensor]] = {}  # the tensors as ids_of gave them
         for key, ids in got.items():
             name = key.name if isinstance(key, ShardedTable) else key
             if not isinstance(name, str):
@@ -79,17 +82,21 @@ class Prefetching:
                     raise TypeError(f"ids_of gave table {name!r} a {type(t).__name__} "
                                     f"{getattr(t, 'dtype', '')}, not an int tensor of ids")
                 wanted.setdefault(name, []).append(t.reshape(-1).to("cpu", torch.int64))
+                sources.setdefault(name, []).append(t)
         out = {}
         for name, parts in wanted.items():
             module = self._tables.tables[name][0] if name in self._tables.tables else None
             if module is None:
                 raise KeyError(f"no sharded table named {name!r} (tables: {', '.join(self._tables.tables)})")
-            ids = torch.cat(parts)
+            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             n = module.num_embeddings or 0  # a bitmap where the ids are in range (the forward checks them)
             in_range = n and ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < n
-            unique = unique_ids(ids, n if in_range else 0)[0]
+            unique, inverse = unique_ids(ids, n if in_range else 0)
             if module.padding_idx is not None:
                 unique = unique[unique != module.padding_idx]
+            elif len(sources[name]) == 1 and sources[name][0].dtype == torch.int64 and (in_range or not n):
+                # the lookup of this very tensor (checked here as the forward would) reuses unique and inverse
+                module.known.append((sources[name][0], sources[name][0]._version, unique, inverse))
             out[name] = unique
         return out
 

@@ -13,149 +13,27 @@ is never called.
 Every ``step()`` pushes to every shard, with an entry for each table that
 had a lookup under autograd in the step (rows summed over the step's
 lookups), so each shard's sparse round has every worker and each table's
-optimizer step count matches torch's.
+optimizer step count matches torch's. What the optimizer declares is
+``shardps.worker.embedding.specs``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
 
 import grpc
 import torch
 
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import finite
-from shardps.common.rows import (
-    TableSpec, check_lr, hyperparam_problems, ids_bytes, rows_bytes, rows_from, shard_of,
-)
+from shardps.common.rows import check_lr, ids_bytes, rows_bytes, rows_from, shard_of
 from shardps.worker.embedding.export import TableExport, export_table
-from shardps.worker.embedding.modules import ShardedTable, is_table_handle, table_of
+from shardps.worker.embedding.specs import group_spec, table_specs
 from shardps.worker.session.client import ShardClient, ShardRpcError
 
-__all__ = ["Prefetch", "RowWiseAdagrad", "SparseTables", "check_sparse_options", "table_specs"]
+log = logging.getLogger(__name__)
 
-
-class RowWiseAdagrad(torch.optim.Optimizer):
-    """Row-wise Adagrad for sharded tables: one accumulator per row, the mean of its squared gradient
-    (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``). Only a description for the shards: ``step()`` raises.
-
-    Args: ``params`` (table handles), ``lr``, ``eps`` (1e-10), ``initial_accumulator_value`` (0),
-    ``weight_decay`` (0: added to the touched rows' gradient, ``grad + weight_decay * row``).
-    """
-
-    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value,
-                                  "weight_decay": weight_decay})
-
-    def step(self, closure=None):
-        raise RuntimeError("RowWiseAdagrad runs on the shards: call DistributedOptimizer.step()")
-
-
-def _group_spec(opt: torch.optim.Optimizer, group: dict) -> tuple[str, dict[str, float]]:
-    """The row optimizer and hyperparameters of one param group, checked as the shards check them.
-
-    ``torch.optim.Adam`` and ``AdamW`` run as lazy Adam: their own update applied to the rows a step touches
-    only (as ``torch.optim.SparseAdam``, only those rows and their moments move); ``weight_decay`` (SGD, Adagrad, Adam, AdamW,
-    RowWiseAdagrad) decays the touched rows only (``shardps.server.sparse.optimizers``). The hyperparameters
-    must be in torch's own ranges (``0 <= beta < 1``; ``lr_decay``, ``initial_accumulator_value``,
-    ``weight_decay`` >= 0), with ``eps > 0`` and every value within float32's range
-    (``shardps.common.rows.hyperparam_problems``): a param group edited after its optimizer was built is
-    refused here, before any table is declared, as the shards would refuse it.
-
-    Raises:
-        ValueError: what the shards cannot run, naming the setting and what to use instead.
-    """
-    name = type(opt).__name__
-    if group.get("maximize"):
-        raise ValueError(f"sparse tables take {name} without maximize=True: negate the loss instead")
-    decay = {"weight_decay": float(group.get("weight_decay") or 0.0)}
-    torch_names = {"beta1": "betas[0]", "beta2": "betas[1]"}
-    if isinstance(opt, torch.optim.SGD):
-        if group.get("momentum") or group.get("nesterov") or group.get("dampening"):
-            raise ValueError("sparse tables take torch.optim.SGD without momentum, dampening or nesterov (a row "
-                             "untouched for many steps would still move): use Adagrad, Adam or RowWiseAdagrad "
-                             "for the tables")
-        kind, hyper = "sgd", decay
-    elif isinstance(opt, torch.optim.Adagrad):
-        kind, hyper = "adagrad", {**{k: float(group[k]) for k in ("lr_decay", "initial_accumulator_value", "eps")},
-                                  **decay}
-    elif isinstance(opt, torch.optim.SparseAdam):
-        kind, hyper = "sparse_adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
-                                      "eps": float(group["eps"])}
-    elif isinstance(opt, torch.optim.Adam):  # AdamW too (a subclass with decoupled_weight_decay=True)
-        if group.get("amsgrad"):
-            raise ValueError(f"sparse tables take {name} without amsgrad=True (lazy row-wise Adam keeps no max of "
-                             "the second moments): drop amsgrad for the tables' optimizer")
-        kind, hyper = "adam", {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]),
-                               "eps": float(group["eps"]), **decay,
-                               "decoupled_weight_decay": float(bool(group.get("decoupled_weight_decay")))}
-    elif isinstance(opt, RowWiseAdagrad):
-        kind, hyper = "rowwise_adagrad", {**{k: float(group[k]) for k in ("initial_accumulator_value", "eps")},
-                                          **decay}
-    else:
-        raise ValueError(f"sparse_optimizer must be torch.optim.SGD (no momentum), Adagrad, Adam, AdamW, SparseAdam "
-                         f"or shardps.RowWiseAdagrad, got {name}")
-    problems = hyperparam_problems(kind, hyper)
-    if problems:
-        named = [f"{torch_names.get(p.split(':')[0], p.split(':')[0])}:{p.split(':', 1)[1]}" for p in problems]
-        raise ValueError(f"sparse tables cannot run {name} with {'; '.join(named)}: the shards would refuse to "
-                         "step the tables with it")
-    return kind, hyper
-
-
-def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: torch.optim.Optimizer | None,
-                         model: torch.nn.Module | None, mode: str, options) -> None:
-    """Refuse a DistributedOptimizer whose tables would not train as asked.
-
-    Raises:
-        ValueError: a table handle in the dense optimizer; sharded tables in ``model`` without a
-            ``sparse_optimizer``; tables with async/ssp, ``max_grad_norm`` or ``grad_scaler``.
-    """
-    if any(is_table_handle(p) for g in optimizer.param_groups for p in g["params"]):
-        raise ValueError("the optimizer holds the handle of a sharded table: give the table handles to "
-                         "sparse_optimizer= (torch.optim.SGD, Adagrad, Adam, AdamW, SparseAdam or RowWiseAdagrad; "
-                         "shardps.sharded_parameters(model) splits a model's parameters into the two) and the "
-                         "dense parameters to the optimizer")
-    if sparse_optimizer is None:
-        if model is not None and any(isinstance(m, ShardedTable) for m in model.modules()):
-            raise ValueError("model has sharded embedding tables: pass sparse_optimizer= over their handles")
-        return
-    if mode != "sync":
-        raise ValueError(f"sparse tables train in sync mode only (got {mode!r}): use ConsistencyOptions(mode='sync')")
-    if options.max_grad_norm is not None or options.grad_scaler is not None:
-        raise ValueError("max_grad_norm and grad_scaler cover the dense parameters only and are not supported with "
-                         "sparse tables yet: clip or scale without them, or train the tables dense")
-
-
-def table_specs(opt: torch.optim.Optimizer,
-                model: torch.nn.Module | None) -> dict[str, tuple[ShardedTable, TableSpec, dict]]:
-    """``{name: (module, spec, param group)}`` of every table whose handle is in ``opt``.
-
-    A module without ``name`` takes its name in ``model``.
-
-    Raises:
-        ValueError: ``opt`` holds something else than table handles, a table has no name (no ``model``),
-            two tables share a name, or a group's settings cannot run on the shards.
-    """
-    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-    out: dict[str, tuple[ShardedTable, TableSpec, dict]] = {}
-    for group in opt.param_groups:
-        kind, hyper = _group_spec(opt, group)
-        for p in group["params"]:
-            if not is_table_handle(p):
-                raise ValueError("sparse_optimizer may hold only the handles of ShardedEmbedding/ShardedEmbeddingBag "
-                                 "modules (module.handle); dense parameters go to the first optimizer")
-            module = table_of(p)
-            name = module.name or names.get(id(module))
-            if not name:
-                raise ValueError("a sharded table has no name: pass name= to it, or model= to DistributedOptimizer")
-            if name in out:
-                raise ValueError(f"two sharded tables are named {name!r}: give each its own name=")
-            module.name = name
-            spec = replace(module.spec(), optimizer=kind, hyperparams=hyper)
-            out[name] = (module, spec, group)
-    return out
+__all__ = ["Prefetch", "SparseTables"]
 
 
 def _by_shard(name: str, ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
@@ -213,6 +91,7 @@ class SparseTables:
         self._pool = ShardClient.call_pool(len(clients), "shardps-rows")  # daemon threads: never hold the exit
         self._push = 0  # pushes prepared (numbered)
         self._sent = 0  # the last push every shard took
+        self._sending: tuple[int, list] | None = None  # the push in flight: (its number, one future per shard)
         self._sizes: list[int] = []  # bytes of each request of the last prepare()
         self.pushed_bytes = self.pulled_bytes = 0
         #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
@@ -255,6 +134,7 @@ class SparseTables:
             ShardRpcError: a shard refused (its message says why) or the round of the last push was refused.
             ValueError: a shard's reply does not have the rows asked for.
         """
+        self.wait_sent()
         plan = self._plan(parts)
 
         def one(s: int) -> list[tuple[int, torch.Tensor, bytes]]:
@@ -286,6 +166,7 @@ class SparseTables:
             ShardRpcError: a shard refused the pull (the round of the last push was refused: its reason).
             ValueError: a shard's reply does not have the rows asked for.
         """
+        self.wait_sent()
         if self._sent < prefetch.number:  # its push was not sent or not taken (step() raised): the shards would wait
             prefetch.cancel()
             self.prefetches["pulled_again"] += 1
@@ -380,7 +261,7 @@ class SparseTables:
             if not lookups:
                 continue  # as torch: a table without a gradient this step is not stepped
             lr = check_lr(name, group["lr"])  # finite, >= 0, within float32's range: as the shards check it
-            if _group_spec(self._optimizer, group)[1] != spec.hyperparams:
+            if group_spec(self._optimizer, group)[1] != spec.hyperparams:
                 raise ValueError(f"a hyperparameter of table {name!r} changed after it was declared; only lr may "
                                  "change during training")
             if len(lookups) == 1:  # one lookup: its ids are unique already, one gradient row each
@@ -415,16 +296,35 @@ class SparseTables:
         return requests
 
     def send(self, requests: list[pb.PushRowsRequest]) -> None:
-        """Send the requests of the last :meth:`prepare`, every shard at once; returns once every shard took
-        its push.
+        """Start sending the requests of the last :meth:`prepare`, every shard at once, and return: the rows
+        travel and the shards stage them while this worker reads its next batch. The next call that depends on
+        this push (:meth:`wait_sent`: the next forward's prefetched rows or pull, the next push, an export,
+        ``synchronize()``, ``close()``) waits until every shard took it, and raises what a shard answered.
 
         Raises:
-            ShardRpcError: a shard refused the push (the round of this worker's previous push was refused:
-                its reason) or could not be reached within the retry budget.
+            ShardRpcError: the previous push was refused or could not be delivered (see :meth:`wait_sent`);
+                these requests were not sent.
         """
+        self.wait_sent()
         self.pushed_bytes += sum(self._sizes)  # measured by prepare()
-        list(self._pool.map(lambda s: self._call(s, lambda c: c.push_rows(requests[s])), range(len(requests))))
-        self._sent = requests[0].push
+        self._sending = (requests[0].push, [self._pool.submit(self._call, s, lambda c, r=requests[s]: c.push_rows(r))
+                                            for s in range(len(requests))])
+
+    def wait_sent(self) -> None:
+        """Wait until every shard took this worker's last push (:meth:`send`); a no-op when none is in flight.
+
+        Raises:
+            ShardRpcError: a shard refused the push (the round of this worker's previous push was refused: its
+                reason) or could not be reached within the retry budget. Raised once.
+        """
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return
+        number, calls = sending
+        failed = [exc for exc in (call.exception() for call in calls) if exc is not None]
+        if failed:
+            raise failed[0]
+        self._sent = number
 
     def export(self, name: str) -> "TableExport":
         """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``), read once this
@@ -442,6 +342,7 @@ class SparseTables:
         Raises:
             ShardRpcError: as :meth:`pull_many`.
         """
+        self.wait_sent()
         empty = pb.PullRowsRequest(worker_id=self.worker_id, session=self.session, after_push=True,
                                    tables=[pb.TableIds(table=name, ids=b"")])
         list(self._pool.map(lambda s: self._call(s, lambda c: c.pull_rows(empty)), range(len(self._clients))))
@@ -461,7 +362,7 @@ class SparseTables:
             raise KeyError(f"no sharded table named {unknown[0]!r} (tables: {', '.join(self.tables)})")
         parts = [(name, ids) for name, ids in wanted.items() if ids.numel()]
         if parts:
-            self._ahead.append([self.prefetch(parts), None])
+            self._ahead.append([self.prefetch(parts), None, set()])  # [prefetch, its rows, parts given whole]
 
     def prefetched(self, name: str, unique: torch.Tensor) -> torch.Tensor | None:
         """Rows of table ``name`` for unique sorted int64 ``unique`` ``[m]`` from the prefetch made for the
@@ -473,9 +374,12 @@ class SparseTables:
                 continue
             if entry[1] is None:
                 entry[1] = self.collect(prefetch) or []  # [] : it could not be answered (pull instead)
-            for (part, ids), rows in zip(prefetch.parts, entry[1]):
+            for k, ((part, ids), rows) in enumerate(zip(prefetch.parts, entry[1])):
                 if part != name or not ids.numel():
                     continue
+                if ids is unique and k not in entry[2]:  # the very ids prefetched (Prefetching's known lookups)
+                    entry[2].add(k)
+                    return rows.detach()  # the first lookup of them takes these rows whole, a leaf of its own
                 at = torch.searchsorted(ids, unique).clamp_(max=ids.numel() - 1)
                 if unique.numel() and not bool((ids.index_select(0, at) == unique).all()):
                     return None
@@ -493,6 +397,12 @@ class SparseTables:
         self._ahead = keep
 
     def close(self) -> None:
+        """Wait for the push in flight (a failure is logged: nothing is left to raise it to), detach the
+        modules, stop the call threads."""
+        try:
+            self.wait_sent()
+        except Exception as exc:  # noqa: BLE001 - closing goes on; the failure is reported
+            log.error("the last push of this worker's table rows failed while closing: %s", exc)
         for module, _, _ in self.tables.values():
             module.attach(None)
         self._pool.shutdown(wait=False, cancel_futures=True)  # calls in flight end when the channels close
