@@ -168,13 +168,14 @@ def check_ids(ids: torch.Tensor, what: str, num_embeddings: int = 0) -> None:
     """Refuse ids a table cannot take.
 
     Raises:
-        TypeError: ``ids`` is not an int64 tensor.
+        TypeError: ``ids`` is not an int32 or int64 tensor (TorchRec's ``KeyedJaggedTensor`` ids are int32 as
+            often as int64; the worker widens int32 ids to int64 before it sends them).
         ValueError: a bounded table (``num_embeddings > 0``) got an id outside ``[0, num_embeddings)``
             (the message names the first one).
     """
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise TypeError(f"{what} takes int64 ids (torch.long), got {got}: convert with .long()")
+        raise TypeError(f"{what} takes int32 or int64 ids, got {got}: convert with .long()")
     if num_embeddings > 0 and ids.numel():
         bad = (ids < 0) | (ids >= num_embeddings)
         if bool(bad.any()):

@@ -101,10 +101,12 @@ def test_bounded_tables_refuse_bad_ids_and_dtypes_at_the_call_and_change_nothing
             model(torch.tensor([1, 10]))
         with pytest.raises(ValueError, match="id -1 is outside"):
             model(torch.tensor([-1]))
-        with pytest.raises(TypeError, match="int64"):
+        with pytest.raises(TypeError, match="int32 or int64"):
             model(torch.tensor([1.0, 2.0]))
-        with pytest.raises(TypeError, match="int64"):
-            model(torch.tensor([1, 2], dtype=torch.int32))
+        with pytest.raises(TypeError, match="int32 or int64"):
+            model(torch.tensor([1, 2], dtype=torch.int16))
+        with pytest.raises(ValueError, match=r"id 10 is outside \[0, 10\)"):  # int32 ids are checked as int64 ones
+            model(torch.tensor([1, 10], dtype=torch.int32))
         assert not model.table.pending
         after = dist.tables.export("table")
         assert torch.equal(before.ids, after.ids) and torch.equal(before.weights, after.weights)

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardps.worker.embedding.modules import ShardedEmbeddingBag, bags
 
-__all__ = ["ShardedEmbeddingBagCollection"]
+__all__ = ["ShardedEmbeddingBagCollection", "merged", "spread"]
 
 
 def unique_rows(ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -45,20 +45,48 @@ def unique_rows(ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
+def merged(parts: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], list[tuple]]:
+    """One part per table of ``parts`` (``[(table name, sorted unique int64 ids)]``, a table possibly several
+    times: one table serving several features): ``(the parts to pull, one per table with the union of its ids;
+    for each of ``parts``, (its merged part, the positions of its ids in that union or None where the same))``."""
+    by_name: dict[str, list[int]] = {}
+    for k, (name, _) in enumerate(parts):
+        by_name.setdefault(name, []).append(k)
+    out: list[tuple[str, torch.Tensor]] = []
+    where: list[tuple] = [()] * len(parts)
+    for name, ks in by_name.items():
+        if len(ks) == 1:
+            where[ks[0]] = (len(out), None)
+            out.append(parts[ks[0]])
+            continue
+        union = torch.unique(torch.cat([parts[k][1] for k in ks]))
+        for k in ks:
+            where[k] = (len(out), torch.searchsorted(union, parts[k][1]))
+        out.append((name, union))
+    return out, where
+
+
+def spread(rows: list[torch.Tensor], where: list[tuple]) -> list[torch.Tensor]:
+    """The rows of each part :func:`merged` merged, from the rows of its merged parts (a tensor of its own each)."""
+    return [rows[k] if at is None else rows[k].index_select(0, at) for k, at in where]
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Several :class:`ShardedEmbeddingBag` under their keys, looked up together.
 
     Args:
         bags: ``{key: ShardedEmbeddingBag}`` (kept in a ``ModuleDict``; a bag without ``name`` takes its
-            name in the model, as any sharded table).
+            name in the model, as any sharded table). One bag may serve several keys (one table for several
+            features, as TorchRec's ``feature_names``): its rows are pulled once per step, for the union of
+            those features' ids, and each feature's lookup keeps its own gradient (summed in the push).
 
-    ``forward(features)``: ``features`` maps keys to what the bag's forward takes: an int64 ids tensor
+    ``forward(features)``: ``features`` maps keys to what the bag's forward takes: an int64 or int32 ids tensor
     (2-D ``[B, L]``), or a tuple ``(ids, offsets)`` or ``(ids, offsets, per_sample_weights)``. Returns
     ``{key: float [B, dim]}`` for the keys given (a subset of the bags is fine).
 
     Raises:
         TypeError: a bag that is not a ``ShardedEmbeddingBag``; a feature that is not ids or a tuple of 2 or 3;
-            ids that are not int64.
+            ids that are not int64 or int32.
         KeyError: a feature key with no bag.
         ValueError, RuntimeError: as ``ShardedEmbeddingBag.forward``.
     """
@@ -89,7 +117,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             calls.append((key, self.bags[key], ids, offsets, weights))
         if calls and any(bag.tables is not calls[0][1].tables for _, bag, *_ in calls):
             raise RuntimeError("the bags of a collection must be attached to the same DistributedOptimizer")
-        found = unique_rows([ids for _, _, ids, _, _ in calls])
+        found = unique_rows([ids if ids.dtype == torch.int64 else ids.long() for _, _, ids, _, _ in calls])
         return [(key, bag, bag.prepare_lookup(ids, got), offsets, weights, ids)
                 for (key, bag, ids, offsets, weights), got in zip(calls, found)]
 
@@ -106,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         calls = [(*c[:5], c[5].clone()) for c in self._calls(features)]  # the ids as they are now
         if calls:
             tables = calls[0][1].tables
-            self._prefetched = (calls, tables.prefetch([(bag.name, prep[0]) for _, bag, prep, *_ in calls]))
+            self._prefetched = (calls, tables.prefetch(merged([(bag.name, prep[0]) for _, bag, prep, *_ in calls])[0]))
 
     def drop_prefetch(self) -> None:
         """Cancel a :meth:`prefetch` not used yet (none: nothing happens)."""
@@ -125,8 +153,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             calls, rows = self._calls(features), None
         if not calls:
             return {}
+        parts, where = merged([(bag.name, prep[0]) for _, bag, prep, *_ in calls])
         if rows is None:
-            rows = calls[0][1].tables.pull_many([(bag.name, prep[0]) for _, bag, prep, *_ in calls])
+            rows = calls[0][1].tables.pull_many(parts)
+        rows = spread(rows, where)
         out = {}
         for (key, bag, (unique, inverse, pad), offsets, weights, _), got in zip(calls, rows):
             weight, index, pad = bag.finish_lookup(unique, got, inverse, pad)

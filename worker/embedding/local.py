@@ -79,7 +79,7 @@ class _HashedTable(nn.Module):
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The row of each of int64 ``ids`` ``[n]``: the trained one, else the initial one (the padding id:
         zeros). float32 ``[n, dim]`` on the module's device."""
-        flat = ids.reshape(-1).to(self.ids.device)
+        flat = ids.reshape(-1).to(self.ids.device, torch.int64)
         initial = self.spec.initial_rows(flat)
         if not self.trained:
             return initial
@@ -107,7 +107,7 @@ class HashedEmbeddingBag(_HashedTable):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        flat = input.reshape(-1).to(self.ids.device)
+        flat = input.reshape(-1).to(self.ids.device, torch.int64)
         weight = self.rows_of(flat)
         index = torch.ones_like(flat).cumsum(0).sub_(1).view(input.shape)  # each id its own row, in order
         pad = None

@@ -1,6 +1,6 @@
 """``ShardedEmbedding`` and ``ShardedEmbeddingBag``: ``nn.Embedding``/``nn.EmbeddingBag`` whose rows live on the shards.
 
-Forward takes int64 ids, de-duplicates them for the batch, pulls only
+Forward takes int64 (or int32) ids, de-duplicates them for the batch, pulls only
 those rows (each from the shard ``shardps.common.rows.shard_of`` places it
 on), and runs the lookup locally under autograd on a small float32 leaf
 ``[unique ids, embedding_dim]``; backward fills that leaf's gradient,
@@ -197,7 +197,9 @@ class ShardedTable(nn.Module):
             if known is ids and version == ids._version and self.tables is not None:
                 return unique, inverse.view(ids.shape), None  # checked, made unique and without padding
         self.check_lookup(ids)
-        unique, inverse = unique_ids(ids, self.num_embeddings or 0) if unique_inverse is None else unique_inverse
+        if unique_inverse is None:
+            unique_inverse = unique_ids(ids if ids.dtype == torch.int64 else ids.long(), self.num_embeddings or 0)
+        unique, inverse = unique_inverse
         pad = None
         if self.padding_idx is not None:
             is_pad = unique == self.padding_idx
@@ -248,7 +250,7 @@ def table_keys(prefix: str, num_embeddings: int | None) -> list[str]:
 class ShardedEmbedding(ShardedTable):
     """``nn.Embedding`` (``sparse=True``) with its rows on the shards: ``forward(input)`` -> ``[*input.shape, dim]``.
 
-    ``input``: int64 ids of any shape (see :class:`ShardedTable` for the arguments).
+    ``input``: int64 or int32 ids of any shape (see :class:`ShardedTable` for the arguments).
 
     Raises:
         TypeError: ids that are not int64.

@@ -94,7 +94,7 @@ class Prefetching:
             unique, inverse = unique_ids(ids, n if in_range else 0)
             if module.padding_idx is not None:
                 unique = unique[unique != module.padding_idx]
-            elif len(sources[name]) == 1 and sources[name][0].dtype == torch.int64 and (in_range or not n):
+            elif len(sources[name]) == 1 and sources[name][0].dtype in (torch.int64, torch.int32) and (in_range or not n):
                 # the lookup of this very tensor (checked here as the forward would) reuses unique and inverse
                 module.known.append((sources[name][0], sources[name][0]._version, unique, inverse))
             out[name] = unique
