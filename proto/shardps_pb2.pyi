@@ -538,16 +538,20 @@ class TableRows(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "push", "tables")
+    __slots__ = ("worker_id", "session", "push", "tables", "part", "parts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     push: int
     tables: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    part: int
+    parts: int
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class PushRowsReply(_message.Message):
     __slots__ = ("round",)

@@ -18,7 +18,11 @@ from shardps.common.rows import FLOAT32_MAX, check_ids, ids_from, lr_problem, sh
 from shardps.server.checks import shown
 from shardps.server.errors import InvalidArgument
 
-__all__ = ["checked_ids", "staged_rows", "increasing"]
+__all__ = ["PushParts", "checked_ids", "staged_rows", "increasing"]
+
+#: The most parts one push may come in (``PushRowsRequest.parts``): at the default 64 MiB message limit, 128 GiB
+#: of one step's rows for one shard.
+MAX_PUSH_PARTS = 2048
 
 
 def checked_ids(parts: list[tuple], what: str, config) -> list[torch.Tensor]:
@@ -98,3 +102,67 @@ def increasing(ids: list[torch.Tensor]) -> bool:
     ends = ends[(ends >= 0) & (ends < up.numel())]
     up[ends] = True  # a part's first id is not compared with the part before it
     return bool(up.all())
+
+
+class PushParts:
+    """The parts of each member's push that came in several requests (``PushRowsRequest.parts`` > 1), held until
+    every part is in; then one request with every table's rows, as a push of one message would carry them.
+
+    Each member holds the parts of one push at most: a part of a push with another number drops those held (the
+    worker gave that push up: its call failed), and a member that leaves drops its parts (:meth:`drop`). At most
+    ``parts`` requests of at most ``--max-message-bytes`` each are held per member.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[int, int, dict[int, pb.PushRowsRequest]]] = {}
+
+    def add(self, request: pb.PushRowsRequest) -> pb.PushRowsRequest | None:
+        """Hold one part; the whole push once its last part is in, else None. A request of one part is the push.
+
+        Raises:
+            InvalidArgument: ``part`` not below ``parts``, more than :data:`MAX_PUSH_PARTS` parts, or a part
+                of a push held with another number of parts. Nothing is held for this push then.
+        """
+        if request.parts <= 1 and request.part == 0:
+            return request
+        w, number = request.worker_id, request.push
+        if not request.part < request.parts <= MAX_PUSH_PARTS:
+            self._held.pop(w, None)
+            raise InvalidArgument(f"push {number} names part {request.part} of {request.parts}: a part is below "
+                                  f"parts, and a push comes in at most {MAX_PUSH_PARTS} parts; nothing was staged")
+        held = self._held.get(w)
+        if held is None or held[0] != number:
+            held = self._held[w] = (number, request.parts, {})
+        elif held[1] != request.parts:
+            self._held.pop(w, None)
+            raise InvalidArgument(f"push {number} came in {held[1]} parts and now in {request.parts}: send every "
+                                  "part of a push with the same parts; nothing was staged")
+        held[2][request.part] = request  # a retried part replaces itself
+        if len(held[2]) < held[1]:
+            return None
+        del self._held[w]
+        return _joined([held[2][k] for k in range(held[1])])
+
+    def drop(self, worker_id: str) -> None:
+        """Forget the parts held for ``worker_id``."""
+        self._held.pop(worker_id, None)
+
+
+def _joined(parts: list[pb.PushRowsRequest]) -> pb.PushRowsRequest:
+    """One request with the rows of ``parts`` in order: a table's ids and gradients concatenated across parts.
+
+    Raises:
+        InvalidArgument: a table's parts carry different learning rates.
+    """
+    tables: dict[str, list[pb.TableRows]] = {}
+    for part in parts:
+        for rows in part.tables:
+            tables.setdefault(rows.table, []).append(rows)
+    whole = pb.PushRowsRequest(worker_id=parts[0].worker_id, session=parts[0].session, push=parts[0].push)
+    for name, pieces in tables.items():
+        if len({p.lr for p in pieces}) > 1:
+            raise InvalidArgument(f"push {whole.push} carries table {shown(name)} with different learning rates in "
+                                  "its parts; nothing was staged")
+        whole.tables.add(table=name, lr=pieces[0].lr, ids=b"".join(p.ids for p in pieces),
+                         grads=b"".join(p.grads for p in pieces))
+    return whole

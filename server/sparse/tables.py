@@ -44,7 +44,7 @@ from shardps.server.errors import (
 from shardps.server.membership.admission import resident_bytes
 from shardps.server.sparse import fused, replies, rounds
 from shardps.server.sparse.index import IdIndex
-from shardps.server.sparse.requests import checked_ids, staged_rows
+from shardps.server.sparse.requests import PushParts, checked_ids, staged_rows
 from shardps.server.sparse.slab import RowSlab
 from shardps.server.sparse.table import COUNTERS, RowTable
 
@@ -76,6 +76,7 @@ class SparseTables:
         self.round = 0  # sparse rounds applied
         self.members: dict[str, int] = {}  # table member -> its last push number taken (-1: none yet)
         self.staged: dict[str, _Push] = {}
+        self.parts = PushParts()  # pushes that come in several messages, until their last part
         self.failed: dict[str, ShardError] = {}
         self.applying = False
         self.rounds_seconds = 0.0
@@ -149,19 +150,25 @@ class SparseTables:
         """Stage one member's rows for the round being collected; apply it once every member pushed.
 
         A push that comes while the member's previous one is still staged waits until that round is applied.
+        A push in several messages (``parts``) is held part by part and staged with its last part
+        (``requests.PushParts``).
 
         Raises:
             FailedPrecondition: not a table member.
             DeadlineExceeded: the previous push's round was not applied in time.
             ShardError: the round of the member's previous push was refused (its reason, once).
             InvalidArgument: an unknown table, ids of another shard or out of range, repeated ids, a
-                gradient of the wrong size or not finite, a bad learning rate. Nothing is staged.
+                gradient of the wrong size or not finite, a bad learning rate, parts that do not add up.
+                Nothing is staged.
         """
         self.store.check_open()
         self._member(request.worker_id, request.session)
         last = self.members[request.worker_id]
         if request.push == last:
             return pb.PushRowsReply(round=self.round)  # a retry of a push already taken
+        request = self.parts.add(request)  # a push in several messages: staged once its last part is in
+        if request is None:
+            return pb.PushRowsReply(round=self.round)
         if request.worker_id in self.staged:  # its last push's round is still collected or applied: wait
             w = request.worker_id
             limit = self.store.config.max_wait_seconds if timeout is None else min(
@@ -192,6 +199,7 @@ class SparseTables:
         self.members.pop(worker_id, None)
         self.staged.pop(worker_id, None)
         self.failed.pop(worker_id, None)
+        self.parts.drop(worker_id)
         self.maybe_apply()
 
     def waiting_for(self) -> list[str]:

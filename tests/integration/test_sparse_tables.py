@@ -339,18 +339,51 @@ def test_new_rows_past_the_shards_memory_budget_are_refused_loudly():
             dist.close()
 
 
-def test_pulls_are_split_under_the_message_limit_and_an_oversized_push_is_refused_before_sending(shards):
+def test_a_step_of_several_message_sizes_of_rows_is_pulled_and_pushed_in_parts(shards):
+    """16,000 rows of 4 KiB (65 MB, about 8 of the shards' 8 MiB messages): the pull is split into calls under
+    half the limit, and so is each shard's push (``PushRowsRequest.parts``), which the shard stages once its
+    last part is in: the step applies exactly SGD's update to every row."""
     reset(shards)
-    model, dist = attach(shards, embedding_dim=1024)  # 5,000 rows of 4 KiB: 2 x 10 MB, over the 8 MiB limit
+    limit = 8 << 20
+    model, dist = attach(shards, embedding_dim=1024, lr=0.5)
     try:
-        ids = torch.arange(5000)
+        ids = torch.arange(16_000) * 7919
         with torch.no_grad():
-            rows = model.table(ids)
-        assert torch.equal(rows, initial_rows("table", ids, 1024, 0, 1024 ** -0.5))
-        dist.zero_grad()
-        model(ids).backward()
-        with pytest.raises(ValueError, match="over the message limit of 8388608 bytes.*nothing was pushed"):
-            dist.step()
+            model.dense.weight.fill_(0.25)
+            model.dense.bias.zero_()
+            start = model.table(ids)
+        assert torch.equal(start, initial_rows("table", ids, 1024, 0, 1024 ** -0.5))
+        assert dist.tables.pulled_bytes > 3 * limit
+        train(model, dist, [ids])
+        assert dist.tables.pushed_bytes > 3 * limit
+        got = dist.tables.export("table")
+        order = torch.argsort(ids)
+        assert torch.equal(got.ids, ids[order])
+        assert torch.allclose(got.weights, start[order] - 0.5 * 0.25, rtol=0, atol=1e-6)
+    finally:
+        dist.close()
+
+
+def test_push_parts_that_do_not_add_up_are_refused_and_stage_nothing(shards):
+    """Raw parts: a part index past its count, or a push whose parts disagree on their count, is refused and
+    nothing is staged; the worker's next whole push goes through."""
+    reset(shards)
+    model, dist = attach(shards)
+    client = dist._clients[0]
+    try:
+        train(model, dist, [torch.tensor([3])])
+        before = dist.tables.export("table")
+
+        def part(number: int, k: int, n: int) -> pb.PushRowsRequest:
+            return pb.PushRowsRequest(worker_id=dist.worker_id, session=dist.session, push=number, part=k, parts=n)
+
+        with pytest.raises(ShardRpcError, match="names part 2 of 2"):
+            client.push_rows(part(100, 2, 2))
+        client.push_rows(part(101, 0, 3))
+        with pytest.raises(ShardRpcError, match="came in 3 parts and now in 2"):
+            client.push_rows(part(101, 1, 2))
+        after = dist.tables.export("table")
+        assert after.round == before.round and torch.equal(after.weights, before.weights)
     finally:
         dist.close()
 

@@ -44,6 +44,51 @@ def _by_shard(name: str, ids: torch.Tensor, num_shards: int) -> list[torch.Tenso
     return [(where == s).nonzero().reshape(-1) for s in range(num_shards)]
 
 
+#: The most parts one push to one shard may come in (the shards' ``MAX_PUSH_PARTS``).
+MAX_PUSH_PARTS = 2048
+
+
+def push_parts(worker_id: str, session: str, number: int, entries: list[tuple], max_message_bytes: int
+               ) -> list[pb.PushRowsRequest]:
+    """Push ``number`` of ``entries`` (``[(table, ids int64 [n], gradients float32 [n, dim], lr)]``, ids
+    increasing) to one shard: one request, or where its rows pass half of ``max_message_bytes``, parts of at
+    most that much (``parts``/``part``; a table's rows split between parts in id order), as pulls are split.
+
+    Raises:
+        ValueError: one row of a table would not fit half the message limit, or more than
+            :data:`MAX_PUSH_PARTS` parts would be needed.
+    """
+    budget = max_message_bytes // 2
+    parts = [pb.PushRowsRequest(worker_id=worker_id, session=session, push=number)]
+    room = budget
+    for name, ids, grads, lr in entries:
+        per_row, head = 8 + 4 * grads.shape[1], len(name.encode()) + 64
+        if per_row + head > budget:
+            raise ValueError(f"one row of table {name!r} takes {per_row} bytes, over half the message limit of "
+                             f"{max_message_bytes} bytes: raise WireOptions(max_message_bytes=) and the shards' "
+                             "--max-message-bytes; nothing was pushed")
+        start, n = 0, ids.numel()
+        while True:
+            fit = (room - head) // per_row
+            if fit <= 0 and start < n:
+                parts.append(pb.PushRowsRequest(worker_id=worker_id, session=session, push=number))
+                room = budget
+                continue
+            end = min(n, start + max(fit, 0))
+            parts[-1].tables.add(table=name, ids=ids_bytes(ids[start:end]), grads=rows_bytes(grads[start:end]), lr=lr)
+            room -= (end - start) * per_row + head
+            start = end
+            if start >= n:
+                break
+    if len(parts) > MAX_PUSH_PARTS:
+        raise ValueError(f"this step's rows for one shard need {len(parts)} messages, over {MAX_PUSH_PARTS}: use "
+                         "smaller batches or more shards; nothing was pushed")
+    if len(parts) > 1:
+        for k, part in enumerate(parts):
+            part.part, part.parts = k, len(parts)
+    return parts
+
+
 #: Codes of a failed prefetch after which the rows are pulled again (the pull rejoins or retries).
 _PULL_AGAIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION,
                grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -243,17 +288,18 @@ class SparseTables:
         """
         self.send(self.prepare())
 
-    def prepare(self) -> list[pb.PushRowsRequest]:
-        """This step's push, one request per shard, checked (nothing is sent); forgets the step's lookups.
+    def prepare(self) -> list[list[pb.PushRowsRequest]]:
+        """This step's push, for each shard its requests (one, or several parts where the rows pass half the
+        message limit: ``PushRowsRequest.parts``), checked (nothing is sent); forgets the step's lookups.
 
         Raises:
             ValueError: a table's learning rate is not finite, >= 0 and at most float32's largest value
                 (``shardps.common.rows.check_lr``), another hyperparameter changed or left torch's range, a
-                gradient is not finite, or a request would pass the message limit. Nothing was pushed.
+                gradient is not finite, or one row (or the push's parts) would not fit the message limit.
+                Nothing was pushed.
         """
         num_shards = len(self._clients)
-        requests = [pb.PushRowsRequest(worker_id=self.worker_id, session=self.session, push=self._push + 1)
-                    for _ in range(num_shards)]
+        entries: list[list[tuple]] = [[] for _ in range(num_shards)]
         steps = []
         for name, (module, spec, group) in self.tables.items():
             lookups = [(ids, leaf.grad) for ids, leaf in module.pending if leaf.grad is not None]
@@ -281,21 +327,17 @@ class SparseTables:
         for name, unique, summed, lr in steps:
             for s, idx in enumerate(_by_shard(name, unique, num_shards)):
                 if idx.numel() == unique.numel():  # every id on this shard (one shard): no copies
-                    mine_ids, mine_grads = unique, summed
+                    entries[s].append((name, unique, summed, lr))
                 else:
-                    mine_ids, mine_grads = unique.index_select(0, idx), summed.index_select(0, idx)
-                requests[s].tables.add(table=name, ids=ids_bytes(mine_ids), grads=rows_bytes(mine_grads), lr=lr)
-        sizes = [r.ByteSize() for r in requests]
-        if max(sizes) > self._max_message_bytes - 1024:
-            raise ValueError(f"this step's rows for shard {sizes.index(max(sizes))} take {max(sizes)} bytes, over the "
-                             f"message limit of {self._max_message_bytes} bytes: raise WireOptions(max_message_bytes=) "
-                             "(and the shards' --max-message-bytes), or use smaller batches; nothing was pushed")
+                    entries[s].append((name, unique.index_select(0, idx), summed.index_select(0, idx), lr))
+        requests = [push_parts(self.worker_id, self.session, self._push + 1, mine, self._max_message_bytes)
+                    for mine in entries]
         self._push += 1
         self._drop_ahead(before=self._push)
-        self._sizes = sizes
+        self._sizes = [sum(r.ByteSize() for r in parts) for parts in requests]
         return requests
 
-    def send(self, requests: list[pb.PushRowsRequest]) -> None:
+    def send(self, requests: list[list[pb.PushRowsRequest]]) -> None:
         """Start sending the requests of the last :meth:`prepare`, every shard at once, and return: the rows
         travel and the shards stage them while this worker reads its next batch. The next call that depends on
         this push (:meth:`wait_sent`: the next forward's prefetched rows or pull, the next push, an export,
@@ -307,8 +349,12 @@ class SparseTables:
         """
         self.wait_sent()
         self.pushed_bytes += sum(self._sizes)  # measured by prepare()
-        self._sending = (requests[0].push, [self._pool.submit(self._call, s, lambda c, r=requests[s]: c.push_rows(r))
-                                            for s in range(len(requests))])
+
+        def one(s: int) -> None:  # a shard's parts one after the other: it stages the push with the last
+            for part in requests[s]:
+                self._call(s, lambda c: c.push_rows(part))
+
+        self._sending = (requests[0][0].push, [self._pool.submit(one, s) for s in range(len(requests))])
 
     def wait_sent(self) -> None:
         """Wait until every shard took this worker's last push (:meth:`send`); a no-op when none is in flight.
