@@ -124,6 +124,21 @@ def check_trailer(trailer: pb.RoundTrailer, num_groups: int, hyperparam_names: l
     return groups
 
 
+def disagreement(workers: list[str], lrs: list[list[float]], hyperparams: list) -> str | None:
+    """Why the pushes of one dense round cannot be stepped together, or None: a member's param groups' learning
+    rates (``lrs[k]``, each member's trailer) differ from the first member's, or both carry changed
+    hyperparameters (``hyperparams[k]``, None where a member's push changed none) and they differ. Sparse rounds
+    refuse the same (``server/sparse/rounds.py``); before, the first member's were used without a word."""
+    for w, mine, theirs in zip(workers[1:], lrs[1:], hyperparams[1:]):
+        if mine != lrs[0]:
+            return (f"workers {shown(workers[0])} and {shown(w)} pushed different learning rates ({lrs[0]} vs "
+                    f"{mine}): every worker must step the same param groups on the same schedule")
+        if theirs is not None and hyperparams[0] is not None and theirs != hyperparams[0]:
+            return (f"workers {shown(workers[0])} and {shown(w)} pushed different hyperparameters ({hyperparams[0]} "
+                    f"vs {theirs}): every worker must change them alike")
+    return None
+
+
 def check_plan_spec(spec: pb.PlanSpec, num_groups: int, config: ShardConfig) -> int:
     """Check a first joiner's plan against this shard's limits before it is built.
 

@@ -476,7 +476,12 @@ class Rounds(CommitExchange):
                 asyncio.get_running_loop().call_soon(self.maybe_apply)
 
     def _check_agreement(self, closed: Closed, pushes: list[_Pushed], workers: list[str]) -> None:
-        """Every member must scale and clip alike (else some would not take part in the commit exchange)."""
+        """Every member must scale and clip alike (else some would not take part in the commit exchange), and step
+        with the same learning rates and hyperparameters (``checks.disagreement``).
+
+        Raises:
+            RoundRefused: naming the members and what differs; nothing of the round is applied.
+        """
         lead = closed.lead
         def options(p: _Pushed) -> tuple:
             t = p.trailer
@@ -491,9 +496,9 @@ class Rounds(CommitExchange):
                     f"{t.max_grad_norm}, norm_type {lt.norm_type} vs {t.norm_type}): every worker must use the same "
                     "GradScaler state, max_grad_norm and norm_type"
                 )
-            if list(t.lrs) != list(lt.lrs) or (p.hyperparams is not None and p.hyperparams != lead.hyperparams):
-                log.warning("round %d: worker %s pushed other hyperparameters than %s; %s's are used",
-                            closed.number, shown(w), shown(workers[0]), shown(workers[0]))
+        why = checks.disagreement(workers, [list(p.trailer.lrs) for p in pushes], [p.hyperparams for p in pushes])
+        if why is not None:
+            raise RoundRefused(why)
 
     def _refuse(self, closed: Closed, error: Exception) -> None:
         log.warning("shard %d: %s", self.config.shard_index, error)

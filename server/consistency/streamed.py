@@ -22,13 +22,15 @@ state are copied (``ShardOptimizer.save_units``), and the average of
 several members' pushes goes to a buffer of the round's own, so the pushes
 stay as they arrived (float32 chunks are read from the frames they arrived
 in, never copied: ``Receiver.kept``; one member's push is stepped from
-there, as nothing applies it again); a round
-that must be refused after some chunks were applied (an update that would
-not be finite) is undone from those copies, its hyperparameters put back,
-and every member's call ends with the error: the shard is as before the
-round and collects it again. Workers hold the frames of a streamed round until the shard's call
-ends without error and only then copy them into the model, so a failed
-round changes nothing there either.
+there, as nothing applies it again); a round that must be refused after
+some chunks were applied (an update that would not be finite) is undone
+from those copies, its hyperparameters put back, and every member's call
+ends with the error: the shard is as before the round and collects it
+again. Members whose headers carry different learning rates or
+hyperparameters are refused before any chunk is applied. Workers hold the
+frames of a streamed round until the shard's call ends without error and
+only then copy them into the model, so a failed round changes nothing
+there either.
 
 Membership: until a round's first chunk is applied it waits for whoever is
 a member, as a plain round does; from then on the round's members are
@@ -66,8 +68,7 @@ from shardps.server.membership.members import Member
 
 log = logging.getLogger(__name__)
 
-#: Sent on a streamed round's call when the round starts over without a member's push: the worker drops
-#: every frame of the round it received so far (the same round's chunks follow again).
+#: Sent when the round starts over without a member's push: the worker drops the round's frames received so far.
 REWIND = encode_round(pb.RoundHeader())
 
 
@@ -86,15 +87,12 @@ class StreamedRound:
         self.absent: list[set[str]] = [set() for _ in range(chunks)]
         self.trailers: dict[str, pb.RoundTrailer] = {}
         self.hyperparams: dict[str, list[dict] | None] = {}
-        self.finished = False
-        self.applied = bytearray(chunks)
-        self.saved: list = []
+        self.finished, self.applied, self.saved = False, bytearray(chunks), []
         self.hyperparams_before: dict | None = None
         self.error: ShardError | None = None
-        self.wake = asyncio.Event()
-        self.lock = asyncio.Lock()
-        self.failing: asyncio.Task | None = None
+        self.wake, self.lock = asyncio.Event(), asyncio.Lock()
         self.closed = asyncio.Event()  # set when the round is finished or failed
+        self.failing: asyncio.Task | None = None
         self.rewinding: asyncio.Task | None = None
         self.rewinds = 0  # times the round started over without a member's push
         self.average: dict[int, torch.Tensor] | None = None  # the average of the chunks applied
@@ -276,7 +274,6 @@ class StreamedRounds:
         rx = rnd.receivers.pop(w, None)
         if rx is not None:
             rx.kept.clear()  # the frames go now, even where a traceback still holds the receiver
-        rnd.trailers.pop(w, None)
         staging = rnd.staging.pop(w, None)
         if staging is not None:
             self.rounds.give_back(*staging)
@@ -402,7 +399,12 @@ class StreamedRounds:
                                              f"{rnd.number}; see its log"))
 
     def _freeze(self, rnd: StreamedRound, needed: list[str]) -> None:
-        """The first chunk is complete: the round's members are fixed and pulls wait until it is applied."""
+        """The first chunk is complete: the round's members are fixed and pulls wait until it is applied. Raises
+        ``RoundRefused`` where their headers carry different lrs or hyperparameters (``checks.disagreement``)."""
+        why = checks.disagreement(needed, [list(rnd.headers[w].options.lrs) for w in needed],
+                                  [rnd.hyperparams.get(w) for w in needed])
+        if why is not None:
+            raise RoundRefused(why)
         rnd.frozen = [self.members.find(w) for w in sorted(needed)]
         self.rounds.applying = True
 

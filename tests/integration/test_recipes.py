@@ -377,6 +377,27 @@ def test_workers_that_clip_differently_are_refused(servers) -> None:
         assert "different loss scales or clipping" in details
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_workers_that_step_different_learning_rates_are_refused(servers, streamed: bool) -> None:
+    """Two workers at lr 0.1 and 0.2 in one round: every shard used the first one's without a word. Now the round
+    is refused for both, naming both lrs, and nothing is applied; streamed or not."""
+    def work(i: int) -> str:
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 * (i + 1))
+        dist = DistributedOptimizer(opt, model.named_parameters(), servers=servers, worker_id=f"w{i}",
+                                    wire=WireOptions(chunk_bytes=256, rpc_timeout=60.0, streamed=streamed))
+        with dist:
+            loss_of(model, 0, part(i)).backward()
+            with pytest.raises(ShardRpcError) as err:
+                dist.step()
+                dist.synchronize()
+            assert [s.version for s in dist.stats()] == [0, 0]
+            return err.value.details
+
+    for details in run_workers(WORKERS, work):
+        assert "pushed different learning rates ([0.1] vs [0.2])" in details, details
+
+
 # ---------------------------------------------------------------- editing gradients
 def test_editing_a_pushed_gradient_raises_with_the_fix(start_cluster) -> None:
     servers = start_cluster(1).addresses
