@@ -124,18 +124,27 @@ def check_trailer(trailer: pb.RoundTrailer, num_groups: int, hyperparam_names: l
     return groups
 
 
-def disagreement(workers: list[str], lrs: list[list[float]], hyperparams: list) -> str | None:
+def disagreement(workers: list[str], lrs: list[list[float]], hyperparams: list, current: dict[int, dict]) -> str | None:
     """Why the pushes of one dense round cannot be stepped together, or None: a member's param groups' learning
-    rates (``lrs[k]``, each member's trailer) differ from the first member's, or both carry changed
-    hyperparameters (``hyperparams[k]``, None where a member's push changed none) and they differ. Sparse rounds
-    refuse the same (``server/sparse/rounds.py``); before, the first member's were used without a word."""
-    for w, mine, theirs in zip(workers[1:], lrs[1:], hyperparams[1:]):
+    rates (``lrs[k]``, each member's trailer) differ from the first member's, or the hyperparameters the members
+    step with differ, compared on this shard's groups (``hyperparams[k]``: every group's, from the member's
+    trailer, or None where its push changed none: then ``current``, the shard's ``{group: {name: value}}``, JSON
+    values). Sparse rounds refuse the same (``server/sparse/rounds.py``); before, the first member's were used and
+    the others' only logged."""
+    for w, mine in zip(workers[1:], lrs[1:]):
         if mine != lrs[0]:
             return (f"workers {shown(workers[0])} and {shown(w)} pushed different learning rates ({lrs[0]} vs "
                     f"{mine}): every worker must step the same param groups on the same schedule")
-        if theirs is not None and hyperparams[0] is not None and theirs != hyperparams[0]:
-            return (f"workers {shown(workers[0])} and {shown(w)} pushed different hyperparameters ({hyperparams[0]} "
-                    f"vs {theirs}): every worker must change them alike")
+    given = next((h for h in hyperparams if h is not None), None)
+    if given is None:
+        return None
+    names = {g: set(given[g]) for g in current}
+    seen = [{g: {k: (h[g][k] if h is not None else current[g].get(k)) for k in names[g]} for g in current}
+            for h in hyperparams]
+    for w, mine in zip(workers[1:], seen[1:]):
+        if mine != seen[0]:
+            return (f"workers {shown(workers[0])} and {shown(w)} step with different hyperparameters ({seen[0]} vs "
+                    f"{mine}): every worker must change them alike")
     return None
 
 

@@ -496,7 +496,8 @@ class Rounds(CommitExchange):
                     f"{t.max_grad_norm}, norm_type {lt.norm_type} vs {t.norm_type}): every worker must use the same "
                     "GradScaler state, max_grad_norm and norm_type"
                 )
-        why = checks.disagreement(workers, [list(p.trailer.lrs) for p in pushes], [p.hyperparams for p in pushes])
+        why = checks.disagreement(workers, [list(p.trailer.lrs) for p in pushes], [p.hyperparams for p in pushes],
+                                  self.optimizer.hyperparams())
         if why is not None:
             raise RoundRefused(why)
 

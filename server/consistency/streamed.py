@@ -402,7 +402,7 @@ class StreamedRounds:
         """The first chunk is complete: the round's members are fixed and pulls wait until it is applied. Raises
         ``RoundRefused`` where their headers carry different lrs or hyperparameters (``checks.disagreement``)."""
         why = checks.disagreement(needed, [list(rnd.headers[w].options.lrs) for w in needed],
-                                  [rnd.hyperparams.get(w) for w in needed])
+                                  [rnd.hyperparams.get(w) for w in needed], self.rounds.optimizer.hyperparams())
         if why is not None:
             raise RoundRefused(why)
         rnd.frozen = [self.members.find(w) for w in sorted(needed)]

@@ -16,7 +16,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import finite
 from shardps.common.rows import FLOAT32_MAX, check_ids, ids_from, lr_problem, shard_of_salted
 from shardps.server.checks import shown
-from shardps.server.errors import InvalidArgument
+from shardps.server.errors import Aborted, InvalidArgument
 
 __all__ = ["PushParts", "checked_ids", "staged_rows", "increasing"]
 
@@ -122,6 +122,7 @@ class PushParts:
         Raises:
             InvalidArgument: ``part`` not below ``parts``, more than :data:`MAX_PUSH_PARTS` parts, or a part
                 of a push held with another number of parts. Nothing is held for this push then.
+            Aborted: the last part came while earlier ones are missing (the worker sends the whole push again).
         """
         if request.parts <= 1 and request.part == 0:
             return request
@@ -139,6 +140,11 @@ class PushParts:
                                   "part of a push with the same parts; nothing was staged")
         held[2][request.part] = request  # a retried part replaces itself
         if len(held[2]) < held[1]:
+            if request.part == request.parts - 1:  # parts come in order: the earlier ones were lost (dropped)
+                missing = sorted(set(range(held[1])) - set(held[2]))
+                self._held.pop(w, None)
+                raise Aborted(f"push {number} came without its parts {missing[:8]} (dropped with a lapsed "
+                              "membership, or the shard restarted): send the whole push again; nothing was staged")
             return None
         del self._held[w]
         return _joined([held[2][k] for k in range(held[1])])

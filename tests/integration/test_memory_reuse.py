@@ -34,6 +34,8 @@ def test_rounds_reuse_freed_chunk_buffers_in_worker_and_shard() -> None:
     # more than one per page of the model
     assert retained["worker"] < pages / 8, retained
     assert retained["shard"] < pages / 8, retained
+    # and not every other round: a new heap high-water mark faults a few hundred pages in one round (657 seen)
+    assert retained["worker_mean"] < pages / 2 and retained["shard_mean"] < pages / 2, retained
     unset = faults_per_round("--no-retain")  # the worker's WireOptions(retain_freed_memory=False)
     assert unset["worker"] > pages * 0.8, unset
     assert unset["worker"] > 3 * retained["worker"], (retained, unset)

@@ -3,7 +3,7 @@
     python -m tests.support.page_faults [--no-retain]
 
 ``--no-retain``: the worker passes ``WireOptions(retain_freed_memory=False)``
-(the shard always retains). Prints ``{"pages": P, "worker": F, "shard": F}``:
+(the shard always retains). Prints ``{"pages": P, "worker": F, "shard": F, ...}``:
 ``P`` pages of 4 KiB the model fills once, ``F`` the median of the faults of
 each of 7 rounds after three rounds of warm-up (a round moves the model
 twice: out and back). The median, not the mean: a round in which more
@@ -12,6 +12,8 @@ delays one thread) grows the heap to a new high-water mark and faults those
 pages once (``perf record -e minor-faults``: the faults of such rounds lie
 in the heap above its earlier top, from ``bytes`` made for chunks); the
 rounds after it reuse them. Without reuse every round faults the model in.
+``worker_mean``/``shard_mean``: the mean over the 7 rounds, which a fault
+in every other round would raise past half the model's pages.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def main() -> None:
             dist.close()
     per_round = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counts, counts[1:])]
     worker, shard = (statistics.median(faults) for faults in zip(*per_round))
-    print(json.dumps({"pages": MODEL_BYTES // 4096, "worker": worker, "shard": shard, "rounds": per_round}))
+    means = [statistics.mean(faults) for faults in zip(*per_round)]
+    print(json.dumps({"pages": MODEL_BYTES // 4096, "worker": worker, "shard": shard, "worker_mean": means[0],
+                      "shard_mean": means[1], "rounds": per_round}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardps.common.rows import ids_from, rows_from
-from shardps.server.errors import InvalidArgument
+from shardps.server.errors import Aborted, InvalidArgument
 from shardps.server.sparse.requests import PushParts
 from shardps.worker.embedding.tables import push_parts
 
@@ -28,7 +28,7 @@ def test_parts_stay_under_half_the_limit_and_join_back_to_the_whole_push(limit):
         assert len(parts) >= 3 and [p.part for p in parts] == list(range(len(parts)))
         assert {p.parts for p in parts} == {len(parts)} and {p.push for p in parts} == {7}
     joined, held = None, PushParts()
-    for p in reversed(parts):  # in any order
+    for p in [*reversed(parts[:-1]), parts[-1]]:  # the earlier parts in any order, then the last
         joined = held.add(p)
     assert joined is not None
     got = {t.table: t for t in joined.tables}
@@ -52,6 +52,10 @@ def test_a_push_of_another_number_drops_the_parts_held_and_a_member_that_leaves_
     assert [held.add(p) is None for p in newer[1:]] == [True] * (len(newer) - 2) + [False]
     assert held.add(parts[0]) is None
     held.drop("w0")
-    assert all(held.add(p) is None for p in parts[1:])  # parts[0] left with the member: never complete
+    assert all(held.add(p) is None for p in parts[1:-1])  # parts[0] left with the member
+    with pytest.raises(Aborted, match=r"push 1 came without its parts \[0\].*send the whole push again"):
+        held.add(parts[-1])  # the worker sends the whole push again (SparseTables.wait_sent)
+    assert all(held.add(p) is None for p in parts[:-1]) and held.add(parts[-1]) is not None
+    assert held.add(parts[0]) is None
     with pytest.raises(InvalidArgument, match="came in"):
         held.add(type(parts[0])(worker_id="w0", session="s", push=1, part=0, parts=2))

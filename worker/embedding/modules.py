@@ -194,7 +194,8 @@ class ShardedTable(nn.Module):
             RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
         """
         for known, version, unique, inverse in self.known:
-            if known is ids and version == ids._version and self.tables is not None:
+            if known is ids and version == ids._version and self.tables is not None and torch.equal(
+                    unique.index_select(0, inverse), ids.reshape(-1).to("cpu", torch.int64)):  # (edits outside autograd)
                 return unique, inverse.view(ids.shape), None  # checked, made unique and without padding
         self.check_lookup(ids)
         if unique_inverse is None:

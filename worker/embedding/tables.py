@@ -136,7 +136,7 @@ class SparseTables:
         self._pool = ShardClient.call_pool(len(clients), "shardps-rows")  # daemon threads: never hold the exit
         self._push = 0  # pushes prepared (numbered)
         self._sent = 0  # the last push every shard took
-        self._sending: tuple[int, list] | None = None  # the push in flight: (its number, one future per shard)
+        self._sending: tuple[list, list] | None = None  # the push in flight: (its requests, one future per shard)
         self._sizes: list[int] = []  # bytes of each request of the last prepare()
         self.pushed_bytes = self.pulled_bytes = 0
         #: prefetches whose rows a forward used, that were dropped unused, that could not answer (pulled again)
@@ -150,20 +150,30 @@ class SparseTables:
     def _declare(self, shards) -> None:
         request = pb.DeclareTablesRequest(worker_id=self.worker_id, session=self.session,
                                           tables=[spec.to_proto() for _, spec, _ in self.tables.values()])
-        list(self._pool.map(lambda s: self._clients[s].declare_tables(request), shards))
+        shards = list(shards)
+        if len(shards) == 1:  # on the caller's thread: it may be a thread of the pool itself (a pull's _call)
+            self._clients[shards[0]].declare_tables(request)
+        else:
+            list(self._pool.map(lambda s: self._clients[s].declare_tables(request), shards))
 
     def _call(self, shard: int, fn):
         """``fn(client)``; joins and declares again once if the shard forgot this worker (it restarted)."""
         try:
             return fn(self._clients[shard])
         except ShardRpcError as exc:
-            if exc.code.name != "FAILED_PRECONDITION" or not ("declare" in exc.details or "not a member" in
-                                                              exc.details):
+            if not self._recover(shard, exc):
                 raise
-            if "not a member" in exc.details:
-                self._rejoin(shard)
-            self._declare([shard])
             return fn(self._clients[shard])
+
+    def _recover(self, shard: int, exc: ShardRpcError) -> bool:
+        """Join ``shard`` and declare the tables again where ``exc`` says it forgot this worker (it restarted, or
+        dropped it): True; False for any other error."""
+        if exc.code.name != "FAILED_PRECONDITION" or not ("declare" in exc.details or "not a member" in exc.details):
+            return False
+        if "not a member" in exc.details:
+            self._rejoin(shard)
+        self._declare([shard])
+        return True
 
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of unique int64 ``ids`` ``[n]`` of table ``name``: float32 ``[n, dim]`` (CPU); see :meth:`pull_many`."""
@@ -352,9 +362,9 @@ class SparseTables:
 
         def one(s: int) -> None:  # a shard's parts one after the other: it stages the push with the last
             for part in requests[s]:
-                self._call(s, lambda c: c.push_rows(part))
+                self._clients[s].push_rows(part)  # (a shard that forgot this worker: wait_sent joins it again)
 
-        self._sending = (requests[0][0].push, [self._pool.submit(one, s) for s in range(len(requests))])
+        self._sending = (requests, [self._pool.submit(one, s) for s in range(len(requests))])
 
     def wait_sent(self) -> None:
         """Wait until every shard took this worker's last push (:meth:`send`); a no-op when none is in flight.
@@ -366,11 +376,20 @@ class SparseTables:
         sending, self._sending = self._sending, None
         if sending is None:
             return
-        number, calls = sending
-        failed = [exc for exc in (call.exception() for call in calls) if exc is not None]
-        if failed:
-            raise failed[0]
-        self._sent = number
+        requests, calls = sending
+        for s, call in enumerate(calls):
+            exc = call.exception()
+            if exc is None:
+                continue
+            # a shard that forgot this worker is joined again here, on the training thread (never beside a
+            # forward), and one that lost some of the push's parts gets the whole push again
+            lost = isinstance(exc, ShardRpcError) and (exc.code.name == "ABORTED" and "send the whole push" in
+                                                       exc.details or self._recover(s, exc))
+            if not lost:
+                raise exc
+            for part in requests[s]:
+                self._clients[s].push_rows(part)
+        self._sent = requests[0][0].push
 
     def export(self, name: str) -> "TableExport":
         """Every row of table ``name`` on every shard (``shardps.worker.embedding.export``), read once this
