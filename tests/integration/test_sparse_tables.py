@@ -364,6 +364,49 @@ def test_a_step_of_several_message_sizes_of_rows_is_pulled_and_pushed_in_parts(s
         dist.close()
 
 
+def test_a_push_whose_parts_the_shard_lost_is_sent_again_whole(shards):
+    """While the worker sends a push's parts, the shard drops those it holds (here: a part of another push number
+    from the same member, as a retry of a given-up push would send). The last part is answered ABORTED and the
+    worker sends the whole push again: the step applies exactly once, on every row."""
+    reset(shards)
+    model, dist = attach(shards, embedding_dim=1024, lr=0.5)
+    clients, sent, rogue = dist.tables._clients, [], []
+    try:
+        originals = [c.push_rows for c in clients]
+
+        def wrapped(s: int):
+            def push_rows(request):
+                sent.append((s, request.push, request.part, request.parts))
+                reply = originals[s](request)
+                if request.parts > 1 and request.part == 0 and not rogue:  # between this push's parts
+                    rogue.append(originals[s](pb.PushRowsRequest(worker_id=request.worker_id, session=request.session,
+                                                                 push=request.push + 1000, part=0, parts=2)))
+                return reply
+            return push_rows
+
+        for s, c in enumerate(clients):
+            c.push_rows = wrapped(s)
+        ids = torch.arange(8_000) * 7919
+        with torch.no_grad():
+            model.dense.weight.fill_(0.25)
+            model.dense.bias.zero_()
+            start = model.table(ids)
+        train(model, dist, [ids])
+        assert rogue, "no push came in parts"
+        shard = next(s for s, _, _, parts in sent if parts > 1)
+        parts = [part for s, _, part, _ in sent if s == shard]
+        n = max(p for s, _, _, p in sent if s == shard)
+        assert parts == list(range(n)) * 2, parts  # every part, then (after ABORTED) every part again
+        got = dist.tables.export("table")
+        order = torch.argsort(ids)
+        assert torch.equal(got.ids, ids[order])
+        assert torch.allclose(got.weights, start[order] - 0.5 * 0.25, rtol=0, atol=1e-6)  # applied once
+    finally:
+        for c, push_rows in zip(clients, originals):
+            c.push_rows = push_rows
+        dist.close()
+
+
 def test_push_parts_that_do_not_add_up_are_refused_and_stage_nothing(shards):
     """Raw parts: a part index past its count, or a push whose parts disagree on their count, is refused and
     nothing is staged; the worker's next whole push goes through."""
