@@ -239,6 +239,34 @@ def test_a_killed_shard_resumes_rows_and_optimizer_state_bit_exact_from_its_chec
         dist.close()
 
 
+def test_a_shard_restarted_while_a_step_is_pushed_is_joined_again_and_takes_the_rows(shards):
+    """The shard is SIGKILLed and restarted from its checkpoint between a step's backward and its step(): the
+    rows' push, handed off by step(), finds a shard that forgot the worker; the next call (synchronize) joins
+    it again on the training thread, declares the tables and sends the whole push, which applies once."""
+    reset(shards)
+    model, dist = attach(shards, num_embeddings=64, lr=0.5)
+    try:
+        train(model, dist, [torch.arange(10)])
+        on_every_shard(shards, "checkpoint")
+        before = dist.tables.export("table")
+        ids = torch.arange(64)
+        with torch.no_grad():
+            w = float(model.dense.weight)
+        dist.zero_grad()
+        model(ids).backward()
+        shards.restart(0, same_port=True)
+        dist.step()
+        dist.synchronize()
+        after = dist.tables.export("table")
+        assert after.round == before.round + 1
+        want = initial_rows("table", ids, 4, 0, 4 ** -0.5)
+        want[before.ids] = before.weights
+        assert torch.allclose(after.weight(), want - 0.5 * w, rtol=0, atol=1e-6)
+        train(model, dist, [torch.tensor([1, 2, 3])])  # and training goes on
+    finally:
+        dist.close()
+
+
 def test_a_prefetch_cut_by_a_shard_restart_is_pulled_again(tmp_path):
     """A shard SIGKILLed while a prefetch waits on it: the prefetch fails (UNAVAILABLE), the next forward pulls
     the rows again (rejoining and declaring on the restarted shard) and training goes on."""
@@ -379,8 +407,9 @@ def test_a_push_whose_parts_the_shard_lost_is_sent_again_whole(shards):
                 sent.append((s, request.push, request.part, request.parts))
                 reply = originals[s](request)
                 if request.parts > 1 and request.part == 0 and not rogue:  # between this push's parts
-                    rogue.append(originals[s](pb.PushRowsRequest(worker_id=request.worker_id, session=request.session,
-                                                                 push=request.push + 1000, part=0, parts=2)))
+                    rogue.append(s)  # (the shards are pushed to in parallel: note which one got it)
+                    originals[s](pb.PushRowsRequest(worker_id=request.worker_id, session=request.session,
+                                                    push=request.push + 1000, part=0, parts=2))
                 return reply
             return push_rows
 
@@ -393,7 +422,7 @@ def test_a_push_whose_parts_the_shard_lost_is_sent_again_whole(shards):
             start = model.table(ids)
         train(model, dist, [ids])
         assert rogue, "no push came in parts"
-        shard = next(s for s, _, _, parts in sent if parts > 1)
+        shard = rogue[0]
         parts = [part for s, _, part, _ in sent if s == shard]
         n = max(p for s, _, _, p in sent if s == shard)
         assert parts == list(range(n)) * 2, parts  # every part, then (after ABORTED) every part again
