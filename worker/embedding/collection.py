@@ -13,11 +13,12 @@ keeps its own rows and gradients, and ``step()`` pushes them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from shardps.worker.embedding import keyed
 from shardps.worker.embedding.modules import ShardedEmbeddingBag, bags
 
 __all__ = ["ShardedEmbeddingBagCollection", "merged", "spread"]
@@ -71,6 +72,13 @@ def spread(rows: list[torch.Tensor], where: list[tuple]) -> list[torch.Tensor]:
     return [rows[k] if at is None else rows[k].index_select(0, at) for k, at in where]
 
 
+def _local_bag(bag: nn.Module, value) -> torch.Tensor:
+    """A local bag (``nn.EmbeddingBag``) of one feature value: ids, ``(ids, offsets)`` or ``(ids, offsets,
+    weights)``, the offsets in the ids' dtype (``nn.EmbeddingBag`` takes one dtype for both)."""
+    ids, offsets, weights = (*((value,) if isinstance(value, torch.Tensor) else tuple(value)), None, None)[:3]
+    return bag(ids, None if offsets is None else offsets.to(ids.dtype), weights)
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Several :class:`ShardedEmbeddingBag` under their keys, looked up together.
 
@@ -79,25 +87,73 @@ class ShardedEmbeddingBagCollection(nn.Module):
             name in the model, as any sharded table). One bag may serve several keys (one table for several
             features, as TorchRec's ``feature_names``): its rows are pulled once per step, for the union of
             those features' ids, and each feature's lookup keeps its own gradient (summed in the push).
+            Or TorchRec's ``EmbeddingBagCollection`` arguments: a list of ``EmbeddingBagConfig`` (``tables``)
+            and ``is_weighted`` (``shardps.worker.embedding.keyed`` says what each config field becomes).
+        tables, is_weighted, device: TorchRec's (``bags`` and ``tables`` are one argument: give one).
+            ``device`` is kept for TorchRec's ``device`` property; the outputs are on the ids' device.
+        seed: the seed of the configs' row initialisers (``tables`` only).
 
     ``forward(features)``: ``features`` maps keys to what the bag's forward takes: an int64 or int32 ids tensor
     (2-D ``[B, L]``), or a tuple ``(ids, offsets)`` or ``(ids, offsets, per_sample_weights)``. Returns
-    ``{key: float [B, dim]}`` for the keys given (a subset of the bags is fine).
+    ``{key: float [B, dim]}`` for the keys given (a subset of the bags is fine). Or ``features`` is a TorchRec
+    ``KeyedJaggedTensor`` (int32 or int64 ids, B + 1 offsets, weights when weighted): returns a ``KeyedTensor``
+    of float ``[B, sum of dims]`` keyed as TorchRec's ``EmbeddingBagCollection`` keys it.
+    ``embedding_bag_configs()`` and ``is_weighted()`` answer as TorchRec's.
+
+    A copy made by ``shardps.local_model`` (its bags turned into ``nn.EmbeddingBag``) looks each bag up
+    locally, with the same outputs.
 
     Raises:
         TypeError: a bag that is not a ``ShardedEmbeddingBag``; a feature that is not ids or a tuple of 2 or 3;
-            ids that are not int64 or int32.
+            ids that are not int64 or int32; configs that are not ``EmbeddingBagConfig``.
         KeyError: a feature key with no bag.
-        ValueError, RuntimeError: as ``ShardedEmbeddingBag.forward``.
+        ValueError, RuntimeError: as ``ShardedEmbeddingBag.forward``; configs the shards cannot hold
+            (``keyed.bags_from_configs``).
+        ImportError: configs or a ``KeyedJaggedTensor`` without torchrec installed.
     """
 
-    def __init__(self, bags: Mapping[str, ShardedEmbeddingBag]) -> None:
+    def __init__(self, bags: Mapping[str, ShardedEmbeddingBag] | Sequence | None = None, *,
+                 tables: Sequence | None = None, is_weighted: bool = False, device=None, seed: int = 0) -> None:
         super().__init__()
+        if bags is not None and tables is not None:
+            raise TypeError("give bags or tables (EmbeddingBagConfigs), not both")
+        configs = tables if tables is not None else None if bags is None or isinstance(bags, Mapping) else bags
+        if configs is not None:
+            bags, self._keys, self._dims = keyed.bags_from_configs(list(configs), seed=seed)
+            self._configs: list | None = list(configs)
+        elif bags is None:
+            raise TypeError("ShardedEmbeddingBagCollection takes bags ({key: ShardedEmbeddingBag}) or tables "
+                            "(a list of EmbeddingBagConfig)")
+        else:
+            self._configs, self._keys = None, [(key, key) for key in bags]
+            self._dims = [getattr(bag, "embedding_dim", 0) for bag in bags.values()]
         for key, bag in bags.items():
             if not isinstance(bag, ShardedEmbeddingBag):
                 raise TypeError(f"bag {key!r} is a {type(bag).__name__}, not a ShardedEmbeddingBag")
+        self._weighted, self._device = bool(is_weighted), torch.device(device) if device is not None else None
         self.bags = nn.ModuleDict(bags)
         self._prefetched: tuple | None = None  # (calls, SparseTables.prefetch) of prefetch(), until forward
+
+    def embedding_bag_configs(self) -> list:
+        """TorchRec's ``EmbeddingBagConfig`` list: the one the collection was built from, or one per table of
+        its bags (``keyed.configs_of``; ValueError for a hashed table or a max bag)."""
+        return self._configs if self._configs is not None else keyed.configs_of(dict(self.bags))
+
+    def is_weighted(self) -> bool:
+        """Whether a ``KeyedJaggedTensor`` batch carries per-id weights (TorchRec's ``is_weighted``)."""
+        return self._weighted
+
+    @property
+    def device(self) -> torch.device:
+        """TorchRec's ``device``: the one given, else the CPU."""
+        return self._device or torch.device("cpu")
+
+    def _features(self, features):
+        """``features`` as keys to ids/tuples: a ``KeyedJaggedTensor`` converted (``keyed.features_of``)."""
+        if keyed.is_keyed_jagged(features):
+            weighted = self._weighted if self._configs is not None else features.weights_or_none() is not None
+            return keyed.features_of(features, self._keys, weighted)
+        return features
 
     def _calls(self, features: Mapping[str, torch.Tensor | tuple]) -> list[tuple]:
         """``[(key, bag, prepare_lookup(ids), offsets, per_sample_weights, ids)]`` of ``features``, checked."""
@@ -131,7 +187,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         Raises: as :meth:`forward`, for the features.
         """
         self.drop_prefetch()
-        calls = [(*c[:5], c[5].clone()) for c in self._calls(features)]  # the ids as they are now
+        calls = [(*c[:5], c[5].clone()) for c in self._calls(self._features(features))]  # the ids as they are now
         if calls:
             tables = calls[0][1].tables
             self._prefetched = (calls, tables.prefetch(merged([(bag.name, prep[0]) for _, bag, prep, *_ in calls])[0]))
@@ -142,7 +198,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if pending is not None:
             pending[1].drop(pending[0][0][1].tables)
 
-    def forward(self, features: Mapping[str, torch.Tensor | tuple]) -> dict[str, torch.Tensor]:
+    def forward(self, features):
+        if keyed.is_keyed_jagged(features):
+            return keyed.keyed_tensor(self._pool(self._features(features)), self._keys, self._dims)
+        return self._pool(features)
+
+    def _pool(self, features: Mapping[str, torch.Tensor | tuple]) -> dict[str, torch.Tensor]:
+        """``{key: float [B, dim]}`` of ``features`` (keys to ids or tuples): pulled together, or looked up in
+        the local bags of a ``shardps.local_model`` copy."""
+        if not all(isinstance(self.bags[key], ShardedEmbeddingBag) for key in features if key in self.bags):
+            return {key: _local_bag(self.bags[key], value) for key, value in features.items()}
         pending, self._prefetched = self._prefetched, None
         if pending is not None and self._same_ids(pending[0], features):
             calls = [(key, bag, prep, *self._extras(features[key]), ids) for key, bag, prep, _, _, ids in pending[0]]
