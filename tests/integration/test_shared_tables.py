@@ -23,6 +23,8 @@ import shardps
 from shardps.common.rows import initial_rows
 from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 from shardps.worker.embedding.collection import merged, spread
+from tests.support.forked import cluster_fixture
+from tests.support.forked import cluster_fixture
 from tests.support.threads import run_workers
 
 N, DIM, STEPS, WORKERS, SCALE = 40, 4, 12, 2, 0.3
@@ -119,11 +121,7 @@ def train(servers: str, worker: int, prefetch: bool, out: dict) -> None:
         dist.close()
 
 
-@pytest.fixture(scope="module")
-def shards():
-    from tests.support.forked import ForkedCluster
-    with ForkedCluster(2, min_workers=WORKERS) as cluster:
-        yield cluster
+shards = cluster_fixture(2, min_workers=WORKERS)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -139,11 +137,7 @@ def test_a_table_shared_by_two_features_with_int32_ids_trains_as_one_process(sha
         assert torch.allclose(v, want.head.state_dict()[k], atol=1e-6, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def one_shard():
-    from tests.support.forked import ForkedCluster
-    with ForkedCluster(1) as cluster:
-        yield cluster
+one_shard = cluster_fixture(1)
 
 
 def test_int32_ids_train_and_serve_as_int64_ids_bit_for_bit(one_shard):

@@ -23,6 +23,7 @@ from torchrec.models.dlrm import DLRM
 import shardps
 from shardps.common.rows import initial_rows
 from shardps.worker import DistributedOptimizer, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+from tests.support.forked import cluster_fixture
 from tests.support.threads import run_workers
 
 N1, N2, DIM, DENSE, B, STEPS, WORKERS = 60, 40, 8, 4, 6, 10, 2
@@ -107,11 +108,7 @@ def train(servers: str, model: DLRM, worker: int, out: dict) -> None:
         dist.close()
 
 
-@pytest.fixture(scope="module")
-def shards():
-    from tests.support.forked import ForkedCluster
-    with ForkedCluster(2, min_workers=WORKERS) as cluster:
-        yield cluster
+shards = cluster_fixture(2, min_workers=WORKERS)
 
 
 def test_torchrec_dlrm_with_the_sharded_collection_trains_as_one_process(shards):

@@ -164,6 +164,19 @@ class ForkedCluster(LocalCluster):
                 client.close()
 
 
+def cluster_fixture(num_shards: int, **kwargs):
+    """A module-scoped pytest fixture yielding a started :class:`ForkedCluster` of ``num_shards`` shards
+    (``kwargs`` as ``LocalCluster``'s), stopped after the module: ``shards = cluster_fixture(2, min_workers=2)``.
+    Tests sharing it start from a fresh job with ``shards.reset()``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        with ForkedCluster(num_shards, **kwargs) as started:
+            yield started
+    return cluster
+
+
 class _InheritedFd:
     """A file descriptor handed to a forked child (``multiprocessing``'s fd passing); the child gets its own copy."""
 
