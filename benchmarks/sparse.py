@@ -83,7 +83,9 @@ Figures per run (timed steps: all after the ``--warmup`` ones):
 - ``shard_bytes_per_row``: after the run, ``shardps_shard_table_bytes`` summed
   over tables and shards / ``shardps_shard_table_rows`` summed the same way
   (read from the shards' Prometheus endpoints), next to ``row_bytes`` =
-  weights + Adagrad state = 2 x 16 x 4 = 128 B;
+  weights + Adagrad state = 2 x 16 x 4 = 128 B (``--row-dtype float16``:
+  float16 weights, 16 x 2 + 16 x 4 = 96 B; the ideal wire bytes then count
+  rows pulled at 2 B a value, gradients pushed at 4);
 - ``peak_rss_bytes``: the largest worker's (or the oracle's) peak resident memory.
 
 Targets (verdicts computed, printed and written):
@@ -122,8 +124,10 @@ from torch import nn  # noqa: E402
 FEATURES, DENSE_FEATURES, DIM = 26, 13, 16
 BOTTOM, TOP = (64,), (128, 64)
 LR_DENSE, LR_SPARSE = 1e-3, 0.05
-#: float32 bytes of one row: weights [DIM] + Adagrad's state sum [DIM].
+#: Bytes of one row: weights [DIM] (float32, or float16 with --row-dtype float16) + Adagrad's state sum [DIM]
+#: (float32); main() sets it from --row-dtype.
 ROW_BYTES = 4 * (DIM + DIM)
+ROW_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 #: Targets (see the module docstring).
 WIRE_GOAL, ORACLE_GOAL, DENSE_GOAL, MEMORY_GOAL = 1.1, 0.5, 10.0, 1.5
 
@@ -205,13 +209,14 @@ def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {str(f): ids[f].view(-1, 1) for f in range(ids.shape[0])}
 
 
-def make_model(kind: str, num_ids: int) -> DLRM:
-    """``kind``: ``sharded`` (hashed ShardedEmbeddingBag), ``oracle`` (sparse nn.EmbeddingBag of ``num_ids``
-    rows), ``dense`` (nn.EmbeddingBag of ``num_ids`` rows, dense gradients)."""
+def make_model(kind: str, num_ids: int, row_dtype: str = "float32") -> DLRM:
+    """``kind``: ``sharded`` (hashed ShardedEmbeddingBag, rows of ``row_dtype`` on the shards), ``oracle`` (sparse
+    nn.EmbeddingBag of ``num_ids`` rows), ``dense`` (nn.EmbeddingBag of ``num_ids`` rows, dense gradients)."""
     if kind == "sharded":
         from shardps.worker import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
-        tables = ShardedEmbeddingBagCollection({str(f): ShardedEmbeddingBag(None, DIM, mode="sum")
+        tables = ShardedEmbeddingBagCollection({str(f): ShardedEmbeddingBag(None, DIM, mode="sum",
+                                                                            dtype=ROW_DTYPES[row_dtype])
                                                 for f in range(FEATURES)})
     else:
         tables = [nn.EmbeddingBag(num_ids, DIM, mode="sum", sparse=kind == "oracle") for _ in range(FEATURES)]
@@ -281,7 +286,7 @@ def _worker(rank: int, cfg: dict, servers: str, out_dir: str) -> None:
     kind, workers, n, per = cfg["kind"], cfg["workers"], cfg["ids"], cfg["batch"]
     perm = _multipliers(n)
     began = time.perf_counter()
-    model = make_model(kind, n)
+    model = make_model(kind, n, cfg.get("row_dtype", "float32"))
     if kind == "sharded":
         tables = [m.handle for m in model.tables.bags.values()]
         dense = torch.optim.Adam([p for name, p in model.named_parameters() if not name.startswith("tables.")],
@@ -405,7 +410,8 @@ def _summary(cfg: dict, rows: list[dict]) -> dict:
         res["dense_bytes_per_step"] = sum(r["dense_bytes"] for r in rows) / (steps * workers)
     if "counted_bytes" in rows[0]:
         res["counted_bytes_per_step"] = sum(r["counted_bytes"] for r in rows) / (steps * workers)
-        res["ideal_bytes_per_step"] = res["unique_rows_per_step"] * (2 * 4 * DIM + 2 * 8)
+        down = ROW_DTYPES[cfg.get("row_dtype", "float32")].itemsize * DIM  # rows pulled; gradients go up as float32
+        res["ideal_bytes_per_step"] = res["unique_rows_per_step"] * (down + 4 * DIM + 2 * 8)
         res["wire_ratio"] = res["wire_bytes_per_step"] / res["ideal_bytes_per_step"]
     return res
 
@@ -416,7 +422,7 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int, prefet
     from shardps.worker import LocalCluster
 
     cfg = {"kind": kind, "workers": workers, "ids": num_ids, "batch": args.batch_size, "zipf": args.zipf,
-           "prefetch": kind == "sharded" and prefetch,
+           "prefetch": kind == "sharded" and prefetch, "row_dtype": args.row_dtype,
            "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps,
            "threads": max(1, ((os.cpu_count() or 1) - shards) // workers)}
     with tempfile.TemporaryDirectory() as out, \
@@ -483,6 +489,8 @@ def _describe(name: str, r: dict) -> str:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a short smoke run (see the module docstring)")
+    p.add_argument("--row-dtype", choices=sorted(ROW_DTYPES), default="float32",
+                   help="the shardps tables' row weights on the shards and the wire (default float32)")
     p.add_argument("--ids", type=int, default=10 ** 7, help="ids per categorical feature (default 10**7)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (default 1.1)")
     p.add_argument("--batch-size", type=int, default=2048, help="samples per worker per step (default 2048)")
@@ -497,6 +505,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="interleaved (shardps 1x1, oracle) runs the vs_oracle "
                    "verdict takes the median ratio of (default 3)")
     args = p.parse_args()
+    global ROW_BYTES
+    ROW_BYTES = ROW_DTYPES[args.row_dtype].itemsize * DIM + 4 * DIM
     if args.quick:
         args.ids, args.batch_size, args.steps, args.warmup, args.pairs = 10 ** 5, 512, 2, 2, 1
         args.grid, args.dense_ids, args.dense_steps = "1x1,2x2", 10 ** 4, 2
@@ -572,7 +582,7 @@ def main() -> None:
     print(table(rows, ["system", "ids/feature", "samples/s", "rows/s", "rows/worker step", "table MB/step",
                        "ideal MB/step", "table/ideal", "MLP MB/step", "shard B/row", "worker CPU ms/step",
                        "shard CPU ms/step"]))
-    print(f"(per worker step; row bytes {ROW_BYTES}: weights + Adagrad state; MLP MB/step: the dense "
+    print(f"(per worker step; row bytes {ROW_BYTES}: {args.row_dtype} weights + Adagrad state; MLP MB/step: the dense "
           "parameters' frames, for dense tables the whole tables)")
 
     targets = {}
@@ -610,7 +620,7 @@ def main() -> None:
         print(f"target {name}: {t['goal']}: {'met' if t['met'] else 'NOT met'} ({t['value']:.3f})")
     emit({"load_average_at_start": load, "ids_per_feature": args.ids, "zipf": args.zipf, "batch_per_worker": args.batch_size,
           "steps": args.steps, "warmup": args.warmup, "dense_steps": args.dense_steps, "quick": args.quick,
-          "features": FEATURES, "dense_features": DENSE_FEATURES, "embedding_dim": DIM, "row_bytes": ROW_BYTES,
+          "features": FEATURES, "dense_features": DENSE_FEATURES, "embedding_dim": DIM, "row_dtype": args.row_dtype, "row_bytes": ROW_BYTES,
           "oracle_ids": oracle_ids, "dense_ids": dense_ids, **results, "targets": targets}, args.json)
 
 

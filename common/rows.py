@@ -49,6 +49,19 @@ OPTIMIZERS: dict[str, dict[str, float]] = {
 
 #: Row initialisers (``TableSpec.init``) and the number of arguments each takes (module docstring).
 INITS: dict[str, int] = {"": 0, "uniform": 2, "normal": 2, "zeros": 0, "constant": 1}
+#: A table's row weights as stored on the shards and sent (``TableSpec.dtype``). float16 halves the bytes of
+#: weights (TorchRec's ``DataType.FP16`` tables); its optimizer state stays float32.
+ROW_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+#: The largest finite float16.
+FLOAT16_MAX = 65504.0
+
+
+def _largest_initial(init: str, args: tuple[float, ...], init_scale: float) -> float:
+    """The largest magnitude an initialiser can draw: ``normal`` draws at most 5.8 std from its mean (the radius
+    of 24 random bits, ``sqrt(-2 ln 2^-24)`` = 5.77)."""
+    if init == "normal":
+        return abs(args[0]) + 5.8 * args[1]
+    return max((abs(a) for a in args), default=0.0) if init else init_scale
 
 _MASK64 = (1 << 64) - 1
 
@@ -201,13 +214,17 @@ def rows_bytes(rows: torch.Tensor) -> bytes:
     return rows.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
 
 
-def rows_from(data: bytes, n: int, dim: int) -> torch.Tensor:
-    """float32 ``[n, dim]`` from :func:`rows_bytes`' bytes. Raises ValueError: the size is not ``4 n dim``."""
-    if len(data) != 4 * n * dim:
-        raise ValueError(f"expected {n} rows of {dim} float32 values ({4 * n * dim} bytes), got {len(data)} bytes")
+def rows_from(data: bytes, n: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float32 ``[n, dim]`` from :func:`rows_bytes`' bytes of ``dtype`` values (float16 ones widened, exactly).
+    Raises ValueError: the size is not ``n dim`` values of ``dtype``."""
+    size = dtype.itemsize * n * dim
+    if len(data) != size:
+        raise ValueError(f"expected {n} rows of {dim} {str(dtype).removeprefix('torch.')} values ({size} bytes), "
+                         f"got {len(data)} bytes")
     if not data:
         return torch.empty(n, dim, dtype=torch.float32)
-    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(n, dim)
+    rows = torch.frombuffer(bytearray(data), dtype=dtype).view(n, dim)
+    return rows if dtype == torch.float32 else rows.float()
 
 
 def state_widths(optimizer: str, dim: int) -> dict[str, int]:
@@ -335,6 +352,7 @@ class TableSpec:
     ttl_rounds: int = 0
     capacity: int = 0
     max_bytes: int = 0
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and 1 <= len(self.name) <= 128 and self.name.isprintable()):
@@ -369,25 +387,40 @@ class TableSpec:
         if (self.init == "uniform" and not args[0] < args[1]) or (self.init == "normal" and not args[1] >= 0):
             raise ValueError(f"table {self.name!r}: init {self.init}{args} needs a < b (uniform) or std >= 0 (normal)")
         object.__setattr__(self, "init_args", args)
+        if self.dtype not in ROW_DTYPES:
+            raise ValueError(f"table {self.name!r}: dtype must be one of {sorted(ROW_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and _largest_initial(self.init, args, self.init_scale) > FLOAT16_MAX:
+            raise ValueError(f"table {self.name!r}: its initial rows reach past float16's range (+-{FLOAT16_MAX}): "
+                             f"init {self.init or 'uniform'}{args or (self.init_scale,)}; use smaller values or "
+                             "dtype float32")
         for name in ("seed", "min_count", "ttl_rounds", "capacity", "max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"table {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
 
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The weights' dtype on the shards and the wire (``dtype``): float32 or float16."""
+        return ROW_DTYPES[self.dtype]
+
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows int64 ``ids`` ``[n]`` start from (and read as while not trained): float32 ``[n, dim]``."""
-        return initial_rows(self.name, ids, self.embedding_dim, self.seed, self.init_scale, self.padding_idx,
+        """The rows int64 ``ids`` ``[n]`` start from (and read as while not trained): float32 ``[n, dim]``, the
+        values of :attr:`row_dtype` (a float16 table's initial rows rounded to float16, as the shards hold them)."""
+        rows = initial_rows(self.name, ids, self.embedding_dim, self.seed, self.init_scale, self.padding_idx,
                             self.init, self.init_args)
+        return rows if self.dtype == "float32" else rows.to(self.row_dtype).float()
 
     def row_bytes(self) -> int:
-        """Bytes of one row's weights and optimizer state (float32)."""
-        return 4 * (self.embedding_dim + sum(state_widths(self.optimizer, self.embedding_dim).values()))
+        """Bytes of one row's weights (``dtype``) and optimizer state (float32)."""
+        return self.row_dtype.itemsize * self.embedding_dim + \
+            4 * sum(state_widths(self.optimizer, self.embedding_dim).values())
 
     def to_proto(self) -> pb.TableSpec:
         return pb.TableSpec(name=self.name, embedding_dim=self.embedding_dim, num_embeddings=self.num_embeddings,
                             padding_idx=self.padding_idx, optimizer=self.optimizer, hyperparams=self.hyperparams,
                             seed=self.seed, init_scale=self.init_scale, init=self.init, init_args=self.init_args,
                             min_count=self.min_count,
-                            ttl_rounds=self.ttl_rounds, capacity=self.capacity, max_bytes=self.max_bytes)
+                            ttl_rounds=self.ttl_rounds, capacity=self.capacity, max_bytes=self.max_bytes,
+                            dtype=self.dtype)
 
     @classmethod
     def from_proto(cls, m: pb.TableSpec) -> "TableSpec":
@@ -396,7 +429,7 @@ class TableSpec:
                    padding_idx=m.padding_idx, optimizer=m.optimizer, hyperparams=dict(m.hyperparams), seed=m.seed,
                    init_scale=m.init_scale, init=m.init, init_args=tuple(m.init_args), min_count=m.min_count,
                    ttl_rounds=m.ttl_rounds, capacity=m.capacity,
-                   max_bytes=m.max_bytes)
+                   max_bytes=m.max_bytes, dtype=m.dtype or "float32")
 
     def differences(self, other: "TableSpec") -> list[str]:
         """The fields where ``other`` differs, as ``field: mine vs other``."""

@@ -435,7 +435,7 @@ class SetStateReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes", "init", "init_args")
+    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes", "init", "init_args", "dtype")
     class HyperparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +457,7 @@ class TableSpec(_message.Message):
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     INIT_ARGS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     embedding_dim: int
     num_embeddings: int
@@ -471,7 +472,8 @@ class TableSpec(_message.Message):
     max_bytes: int
     init: str
     init_args: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ...) -> None: ...
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class DeclareTablesRequest(_message.Message):
     __slots__ = ("worker_id", "session", "tables")

@@ -70,6 +70,8 @@ def tables_json(specs: Mapping[str, TableSpec]) -> str:
     for name, spec in specs.items():
         fields = dataclasses.asdict(spec)
         fields.pop("name")
+        if fields["dtype"] == "float32":
+            fields.pop("dtype")  # the default: files of float32 tables stay readable by shardps before float16 rows
         out[name] = fields
     return json.dumps(out, sort_keys=True)
 

@@ -266,7 +266,7 @@ class LiveTables(TableSource):
                     f"{reply.round}, rows {total} -> {reply.total_rows}): export between steps, with the workers "
                     "idle, and try again")
             n, size = divmod(len(reply.ids), 8)
-            if size or not 0 < n <= per_page or len(reply.weights) != 4 * n * spec.embedding_dim:
+            if size or not 0 < n <= per_page or len(reply.weights) != spec.row_dtype.itemsize * n * spec.embedding_dim:
                 raise TableError(f"table {name!r}: {self.where(s)} answered outside the protocol: a page of "
                                  f"{len(reply.ids)} id bytes and {len(reply.weights)} row bytes for rows "
                                  f"[{offset}, {offset + per_page}) of {total}")
@@ -275,7 +275,9 @@ class LiveTables(TableSource):
             del reply
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "The given buffer is not writable")
-                rows = torch.frombuffer(weights, dtype=torch.float32).view(n, spec.embedding_dim)
+                rows = torch.frombuffer(weights, dtype=spec.row_dtype).view(n, spec.embedding_dim)
+            if rows.dtype != torch.float32:
+                rows = rows.float()  # a float16 table's rows, widened exactly: pages are float32
             del weights
             offset += n
             yield ids, rows
@@ -355,14 +357,15 @@ class CheckpointTables(TableSource):
     def _entries(self, s: int, name: str) -> int:
         """Rows of ``name`` in shard ``s``'s checkpoint, its two tensors checked."""
         ck, dim = self.checkpoints[s], self.specs[name].embedding_dim
+        want = "F16" if self.specs[name].dtype == "float16" else "F32"
         ids, weights = ck.entries.get(f"rows/{name}/ids"), ck.entries.get(f"rows/{name}/weights")
         if ids is None or weights is None:
             raise TableError(f"{ck.file}: table {name!r} is in its manifest but its rows/{name}/ids or "
                              f"rows/{name}/weights tensor is missing: the checkpoint is damaged")
-        if ids.dtype != "I64" or len(ids.shape) != 1 or weights.dtype != "F32" or \
+        if ids.dtype != "I64" or len(ids.shape) != 1 or weights.dtype != want or \
                 weights.shape != (ids.shape[0], dim):
             raise TableError(f"{ck.file}: table {name!r}: rows/{name}/ids is {ids.dtype} {list(ids.shape)} and "
-                             f"rows/{name}/weights {weights.dtype} {list(weights.shape)}, not I64 [n] and F32 "
+                             f"rows/{name}/weights {weights.dtype} {list(weights.shape)}, not I64 [n] and {want} "
                              f"[n, {dim}]: the checkpoint is damaged")
         return ids.shape[0]
 
@@ -374,7 +377,8 @@ class CheckpointTables(TableSource):
         per_page = page_rows(self.specs[name], self.num_shards, CHECKPOINT_PAGE_BYTES)
         for start in range(0, total, per_page):
             count = min(per_page, total - start)
-            yield ck.rows(f"rows/{name}/ids", start, count), ck.rows(f"rows/{name}/weights", start, count)
+            yield ck.rows(f"rows/{name}/ids", start, count), \
+                ck.rows(f"rows/{name}/weights", start, count).float()  # a float16 table's widened exactly
 
     def close(self) -> None:
         for ck in self.checkpoints:

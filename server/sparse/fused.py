@@ -89,21 +89,22 @@ def _initial_into(rows: torch.Tensor, where: torch.Tensor, tables: list, ids: to
     :data:`INIT_BLOCK_VALUES` values at a time."""
     block = max(1, INIT_BLOCK_VALUES // max(1, dim))
     if where.numel() <= block:
-        rows.index_copy_(0, where, _initial(tables, ids.index_select(0, where), counts, dim))
+        rows.index_copy_(0, where, _initial(tables, ids.index_select(0, where), counts, dim).to(rows.dtype))
         return
     owner = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(counts))
     for begin in range(0, where.numel(), block):
         part = where[begin: begin + block]
         per_table = torch.bincount(owner[begin: begin + block], minlength=len(tables)).tolist()
-        rows.index_copy_(0, part, _initial(tables, ids.index_select(0, part), per_table, dim))
+        rows.index_copy_(0, part, _initial(tables, ids.index_select(0, part), per_table, dim).to(rows.dtype))
 
 
 def read_rows(tables: list, ids: list[torch.Tensor], slots: list[torch.Tensor],
               out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Rows of ``ids[k]`` (int64 ``[n_k]``) of ``tables[k]`` at ``slots[k]`` (the index's answer, -1: not a
-    row, which reads as its initial value; the padding id as zeros): float32 ``[n_k, dim]`` per table.
+    row, which reads as its initial value, rounded to the table's dtype; the padding id as zeros): ``[n_k, dim]``
+    per table of the table's dtype (float32, or float16: ``TableSpec.dtype``).
 
-    ``out``: float32 ``[n_k, dim]`` per table to read into (views of a reply's bytes, ``replies``), returned
+    ``out``: ``[n_k, dim]`` of the table's dtype per table to read into (views of a reply's bytes, ``replies``), returned
     filled; None: new tensors. A table alone in its slab is gathered straight into its ``out``; tables that
     share a slab are gathered together (one operation) and copied. Initial values are computed
     :data:`INIT_BLOCK_VALUES` at a time, so the scratch of a read stays bounded whatever its size.
@@ -133,7 +134,7 @@ def read_rows(tables: list, ids: list[torch.Tensor], slots: list[torch.Tensor],
 
 def reread_rows(tables: list, ids: list[torch.Tensor], before: list[torch.Tensor], slots: list[torch.Tensor],
                 rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``rows`` (float32 ``[n_k, dim]`` per table), read when ``ids[k]`` were at slots ``before[k]``, as they read
+    """``rows`` (``[n_k, dim]`` of the table's dtype per table), read when ``ids[k]`` were at slots ``before[k]``, as they read
     now that they are at ``slots[k]``: rows are read again from the slabs, ids that were not rows and still are
     not keep their initial values, and ids no longer rows (evicted since) read as initial values again. New
     tensors, same shapes."""
@@ -149,7 +150,8 @@ def reread_rows(tables: list, ids: list[torch.Tensor], before: list[torch.Tensor
         if sum(counts):
             where = lost.nonzero().reshape(-1)
             flat_ids = torch.cat([ids[k] for k in group]).index_select(0, where)
-            flat_rows.index_copy_(0, where, _initial([tables[k] for k in group], flat_ids, counts, slab.dim))
+            flat_rows.index_copy_(0, where, _initial([tables[k] for k in group], flat_ids, counts,
+                                                     slab.dim).to(flat_rows.dtype))
         for k, piece in zip(group, flat_rows.split(sizes)):
             out[k] = piece
     return out
@@ -177,7 +179,7 @@ class _SlabUpdate:
     where: torch.Tensor | None  # positions of the new rows in slots (None: none)
     counts: list[int]  # new rows per part
     new_ids: torch.Tensor | None
-    weights: torch.Tensor  # float32 [n, dim]: the rows after the update
+    weights: torch.Tensor  # [n, dim] of the slab's dtype: the rows after the update (float16 ones rounded)
     state: dict[str, torch.Tensor]  # {name: float32 [n, width]} after the update
     groups: list[tuple]  # (optimizer, lr, step, tables, positions in the rows or None for all)
 
@@ -271,16 +273,16 @@ def _prepare_slab(slab, parts: list[_Part]) -> _SlabUpdate | None:
     new = slots < 0
     counts = _counts(new, sizes)
     at = slots.clamp(min=0)  # new rows gather slot 0 (the slab is never empty) and are overwritten below
-    weights = slab.weights.index_select(0, at)
+    weights = slab.weights.index_select(0, at).float()  # float16 rows step in float32, rounded back below
     state = {name: t.index_select(0, at) for name, t in slab.state.items()}
     where = new_ids = None
     if sum(counts):
         where = new.nonzero().reshape(-1)
         new_ids = torch.cat([p.ids for p in parts]).index_select(0, where)
         if all(p.initial is not None for p in parts):
-            rows = torch.cat([p.initial for p in parts]).index_select(0, where)
-        else:
-            rows = _initial([p.table for p in parts], new_ids, counts, slab.dim)
+            rows = torch.cat([p.initial for p in parts]).index_select(0, where).float()
+        else:  # as a read shows them: rounded to the slab's dtype
+            rows = _initial([p.table for p in parts], new_ids, counts, slab.dim).to(slab.dtype).float()
         weights.index_copy_(0, where, rows)
         for name in slab.widths:
             values = [optimizers.initial_values(p.table.spec.optimizer, p.table.spec.hyperparams)[name] for p in parts]
@@ -317,6 +319,7 @@ def _prepare_slab(slab, parts: list[_Part]) -> _SlabUpdate | None:
             for name, t in st.items():
                 state[name].index_copy_(0, sel, t)
         groups.append((optimizer, lr, step, tables, sel))
+    weights = weights.to(slab.dtype)  # float16 tables: rounded to nearest; a value past float16's range is Inf
     return _SlabUpdate(slab, parts, slots, where, counts, new_ids, weights, state, groups)
 
 
@@ -328,7 +331,7 @@ def _check_finite(updates: list[_SlabUpdate]) -> None:
         InvalidArgument: naming the first group's tables that are not finite (``rounds.not_finite``).
     """
     tensors = [t for u in updates for t in (u.weights, *u.state.values()) if t.numel()]
-    if not tensors or math.isfinite(torch.stack([t.sum() for t in tensors]).sum().item()):
+    if not tensors or math.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum().item()):
         return
     for u in updates:
         for optimizer, lr, step, tables, sel in u.groups:

@@ -293,7 +293,8 @@ class PullReply:
         self.tables, self.counts, self.several = tables, counts, several
         self._number = 3 if several else 1
         widths = [n * t.spec.embedding_dim for t, n in zip(tables, counts)]
-        self.size = sum(field_bytes(self._number, 4 * v) for v in widths) + _SCALAR
+        self.size = sum(field_bytes(self._number, t.spec.row_dtype.itemsize * v) for t, v in zip(tables, widths)) \
+            + _SCALAR
         self.need = REPLY_COPIES * self.size + SCRATCH_PER_ID * sum(counts) + \
             SCRATCH_PER_VALUE * min(sum(widths), INIT_BLOCK_VALUES)
         check_size(self.size, config, self.describe(), "pull fewer ids at once (a worker splits its pulls under "
@@ -304,18 +305,19 @@ class PullReply:
 
     def describe(self) -> str:
         """The reply, for messages: its ids, tables and bytes of rows."""
-        rows = sum(4 * n * t.spec.embedding_dim for t, n in zip(self.tables, self.counts))
+        rows = sum(t.spec.row_dtype.itemsize * n * t.spec.embedding_dim for t, n in zip(self.tables, self.counts))
         return f"the reply to a pull of {sum(self.counts)} ids of {_names(self.tables)} ({rows} bytes of rows)"
 
     def out(self) -> list[torch.Tensor]:
-        """Float32 ``[n_k, dim_k]`` per table over the reply's payload, to read the rows into (compute thread)."""
+        """``[n_k, dim_k]`` of each table's dtype over the reply's payload, to read the rows into (compute thread)."""
         if self._out is None:
-            self._out = [self.bytes.rows(self._number, n, t.spec.embedding_dim) for t, n in zip(self.tables, self.counts)]
+            self._out = [self.bytes.rows(self._number, n, t.spec.embedding_dim, t.spec.row_dtype)
+                         for t, n in zip(self.tables, self.counts)]
         return self._out
 
     def finish(self, round_: int) -> list[torch.Tensor]:
-        """Make the reply's bytes, with ``round_`` (compute thread; :meth:`take` hands them out): read-only float32
-        ``[n_k, dim_k]`` of its rows over them."""
+        """Make the reply's bytes, with ``round_`` (compute thread; :meth:`take` hands them out): read-only
+        ``[n_k, dim_k]`` of its rows over them (each table's dtype)."""
         self.out()
         if round_:
             self.bytes.raw(_varint(2 << 3) + _varint(round_))
@@ -376,7 +378,8 @@ class ExportReply:
     def size_of(self, rows: int) -> int:
         """Bytes of a page of ``rows`` rows of this table at most."""
         dim = self.table.spec.embedding_dim
-        size = field_bytes(2, 8 * rows) + field_bytes(3, 4 * rows * dim) + field_bytes(1, len(self.spec))
+        size = field_bytes(2, 8 * rows) + field_bytes(3, self.table.spec.row_dtype.itemsize * rows * dim) + \
+            field_bytes(1, len(self.spec))
         for name, width in self.widths.items():
             size += field_bytes(4, 4 * rows * width, name) + field_bytes(5, 2 * _SCALAR + len(name))
         return size + 3 * _SCALAR
@@ -406,7 +409,8 @@ class ExportReply:
         m = ids.numel()
         out = ReplyBytes(self.size_of(m))
         out.rows(2, m, 1, torch.int64).copy_(ids.view(m, 1))
-        torch.index_select(self.table.weights, 0, slots, out=out.rows(3, m, self.table.spec.embedding_dim))
+        torch.index_select(self.table.weights, 0, slots,
+                           out=out.rows(3, m, self.table.spec.embedding_dim, self.table.spec.row_dtype))
         for name, width in self.widths.items():
             torch.index_select(self.table.state[name], 0, slots, out=out.rows(4, m, width, key=name))
         tail = bytearray(_delimited(1, len(self.spec)) + self.spec)

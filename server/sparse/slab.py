@@ -2,7 +2,8 @@
 
 Every table of a shard with the same ``embedding_dim`` and optimizer-state
 widths (``shardps.common.rows.state_widths``) keeps its rows in one slab:
-float32 weights ``[capacity, dim]``, float32 state ``[capacity, width]``
+weights ``[capacity, dim]`` (float32, or float16 for float16 tables: a slab holds
+one dtype), float32 state ``[capacity, width]``
 per state entry, and int32 ``[capacity]``, the round each row was last
 pushed (-1: a free slot; rounds count up to 2**31). The shard's id index
 maps ``(table tag, id)`` to a slot of the table's slab, and slots of
@@ -28,19 +29,20 @@ __all__ = ["RowSlab"]
 
 
 class RowSlab:
-    """Rows of ``dim`` float32 weights and ``widths`` (``{state name: width}``) state, in shared tensors.
+    """Rows of ``dim`` weights of ``dtype`` (float32 or float16) and ``widths`` (``{state name: width}``) float32
+    state, in shared tensors.
 
     Attributes:
-        weights: float32 ``[capacity, dim]``; state: ``{name: float32 [capacity, width]}``;
+        weights: ``dtype`` ``[capacity, dim]``; state: ``{name: float32 [capacity, width]}``;
         touched: int32 ``[capacity]``, the round each row was last pushed (-1 for a freed slot; slots never
             handed out hold garbage).
     """
 
-    def __init__(self, dim: int, widths: dict[str, int]) -> None:
-        self.dim, self.widths = dim, dict(widths)
+    def __init__(self, dim: int, widths: dict[str, int], dtype: torch.dtype = torch.float32) -> None:
+        self.dim, self.widths, self.dtype = dim, dict(widths), dtype
         self.used = 0  # high-water mark of slots handed out
         self.free = torch.empty(0, dtype=torch.int64)
-        self.weights = torch.empty(0, dim)
+        self.weights = torch.empty(0, dim, dtype=dtype)
         self.touched = torch.empty(0, dtype=torch.int32)
         self.state = {name: torch.empty(0, w) for name, w in self.widths.items()}
         self._grow(1)  # never empty: reads gather slot 0 for ids that are not rows
@@ -52,7 +54,7 @@ class RowSlab:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot: weights, state and its last-pushed round."""
-        return 4 * (self.dim + sum(self.widths.values())) + 4
+        return self.dtype.itemsize * self.dim + 4 * sum(self.widths.values()) + 4
 
     def nbytes(self) -> int:
         """Bytes of the slots ever handed out (in use or freed for reuse). The capacity past them is allocated

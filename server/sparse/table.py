@@ -46,8 +46,8 @@ class RowTable:
         self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
         self.place_salt = placement_salt(spec.name)
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
-        self.slab = RowSlab(spec.embedding_dim, self.widths) if slab is None else slab
-        if (self.slab.dim, self.slab.widths) != (spec.embedding_dim, self.widths):
+        self.slab = RowSlab(spec.embedding_dim, self.widths, spec.row_dtype) if slab is None else slab
+        if (self.slab.dim, self.slab.widths, self.slab.dtype) != (spec.embedding_dim, self.widths, spec.row_dtype):
             raise ValueError(f"table {spec.name!r} does not fit its slab's row shape")
         self.rows = 0
         self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
@@ -194,7 +194,7 @@ class RowTable:
 
     # ------------------------------------------------------------ export and checkpoints
     def export(self, offset: int = 0, max_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(ids int64 [n], weights float32 [n, dim], {state name: float32 [n, width]})`` in id order: rows
+        """``(ids int64 [n], weights [n, dim] of the table's dtype, {state name: float32 [n, width]})`` in id order: rows
         ``[offset, offset + max_rows)`` of them (``max_rows`` 0: all); only those rows are copied."""
         ids, slots = self.items()
         order = torch.argsort(ids)[offset: offset + max_rows if max_rows else None]
@@ -203,11 +203,12 @@ class RowTable:
 
     def snapshot_layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, safetensors dtype, shape)`` of each tensor :meth:`write_snapshot` writes, as the table is now:
-        ``ids`` I64 ``[rows]`` (ascending), ``weights`` F32 ``[rows, dim]``, ``touched`` I64 ``[rows]`` (the
+        ``ids`` I64 ``[rows]`` (ascending), ``weights`` F32 (F16 for a float16 table) ``[rows, dim]``, ``touched`` I64 ``[rows]`` (the
         round each row was last pushed), ``state.<name>`` F32 ``[rows, width]``, ``cand_ids`` I64 ``[c]`` and
         ``cand`` I64 ``[c, 2]`` (admission counts and last round seen of the ``c`` ids not yet rows)."""
         n, c = self.rows, len(self.candidates)
-        out = [("ids", "I64", (n,)), ("weights", "F32", (n, self.spec.embedding_dim)), ("touched", "I64", (n,)),
+        weights = "F16" if self.spec.dtype == "float16" else "F32"
+        out = [("ids", "I64", (n,)), ("weights", weights, (n, self.spec.embedding_dim)), ("touched", "I64", (n,)),
                ("cand_ids", "I64", (c,)), ("cand", "I64", (c, 2))]
         return out + [(f"state.{name}", "F32", (n, width)) for name, width in self.widths.items()]
 
@@ -254,7 +255,7 @@ class RowTable:
         """
         ids, weights = tensors["ids"], tensors["weights"]
         n = ids.numel()
-        shapes_ok = weights.shape == (n, self.spec.embedding_dim) and tensors["touched"].shape == (n,) and all(
+        shapes_ok = weights.shape == (n, self.spec.embedding_dim) and weights.dtype == self.spec.row_dtype and tensors["touched"].shape == (n,) and all(
             tensors.get(f"state.{k}") is not None and tensors[f"state.{k}"].shape == (n, w)
             for k, w in self.widths.items())
         if not shapes_ok:

@@ -92,8 +92,8 @@ class SparseTables:
 
     def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
         widths = state_widths(spec.optimizer, spec.embedding_dim)
-        key = (spec.embedding_dim, tuple(widths.items()))
-        slab = self.slabs.setdefault(key, RowSlab(spec.embedding_dim, widths))
+        key = (spec.embedding_dim, tuple(widths.items()), spec.row_dtype)
+        slab = self.slabs.setdefault(key, RowSlab(spec.embedding_dim, widths, spec.row_dtype))
         return RowTable(spec, max_bytes, self.index, len(self.tables), slab)
 
     # ------------------------------------------------------------ declare

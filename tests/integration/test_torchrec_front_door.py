@@ -168,7 +168,7 @@ def test_a_weighted_collection_pools_as_torchrecs(shards):
 # ------------------------------------------------------------------ configs the shards cannot hold: refused
 @pytest.mark.parametrize("change, match", [
     (dict(pooling=PoolingType.NONE), "pooling NONE is not supported"),
-    (dict(data_type=DataType.FP16), "data_type FP16 is not supported"),
+    (dict(data_type=DataType.INT8), "data_type INT8 is not supported"),
     (dict(init_fn=lambda w: w.fill_(1)), "cannot run on the shards"),
 ])
 def test_configs_the_shards_cannot_hold_are_refused_naming_what_to_use(change, match):

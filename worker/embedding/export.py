@@ -89,7 +89,7 @@ def export_table(clients, name: str, max_message_bytes: int = DEFAULT_MAX_MESSAG
     for r in replies:
         part = ids_from(r.ids)
         ids.append(part)
-        weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim))
+        weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim, spec.row_dtype))  # float32
         for k, data in r.state.items():
             state.setdefault(k, []).append(rows_from(data, part.numel(), r.state_width[k]))
     all_ids = torch.cat(ids)

@@ -10,7 +10,8 @@ the configs. What each config field becomes on the shards (the rest is not read)
   ``embedding_dim``; ``feature_names`` (none: the table's name): every feature is looked up in the table,
   and a table several features share is pulled once per step for the union of their ids;
 - ``pooling``: ``SUM`` or ``MEAN`` (``NONE`` is refused: sequence embeddings are not bags);
-- ``data_type``: ``FP32`` (other types are refused, naming ``FP32``);
+- ``data_type``: ``FP32``, or ``FP16`` (rows stored and sent as float16, ``ShardedTable(dtype=)``; other
+  types are refused);
 - ``init_fn``: TorchRec's default, uniform in ``[weight_init_min, weight_init_max]``, or a
   ``functools.partial`` of ``torch.nn.init.uniform_``/``normal_``/``zeros_``/``constant_``: the rows start
   from that distribution, drawn on the shards as a function of (table, id, seed) (``shardps.common.rows``),
@@ -100,13 +101,14 @@ def bags_from_configs(tables: Sequence, *, seed: int = 0) -> tuple[dict, list[st
         if config.pooling.name not in ("SUM", "MEAN"):
             raise ValueError(f"EmbeddingBagConfig {config.name!r}: pooling {config.pooling.name} is not supported "
                              "(bags pool): use PoolingType.SUM or PoolingType.MEAN")
-        if config.data_type.name != "FP32":
+        if config.data_type.name not in ("FP32", "FP16"):
             raise ValueError(f"EmbeddingBagConfig {config.name!r}: data_type {config.data_type.name} is not "
-                             "supported: the shards hold float32 rows (use DataType.FP32)")
+                             "supported: the shards hold float32 or float16 rows (use DataType.FP32 or FP16)")
     bags, keys, dims = {}, [], []
     for config, names in zip(tables, get_embedding_names_by_table(list(tables))):
         bag = ShardedEmbeddingBag(config.num_embeddings, config.embedding_dim, mode=config.pooling.name.lower(),
-                                  include_last_offset=True, name=config.name, seed=seed, init=_init_of(config))
+                                  include_last_offset=True, name=config.name, seed=seed, init=_init_of(config),
+                                  dtype=torch.float16 if config.data_type.name == "FP16" else torch.float32)
         for feature, key in zip(config.feature_names, names):
             bags[key] = bag
             keys.append((key, feature))
@@ -129,7 +131,8 @@ def configs_of(bags: dict) -> list:
             raise ValueError(f"bag {keys[0]!r} has no EmbeddingBagConfig: a hashed table or a max bag")
         out.append(torchrec.EmbeddingBagConfig(
             num_embeddings=bag.num_embeddings, embedding_dim=bag.embedding_dim, name=bag.name or keys[0],
-            feature_names=list(keys), pooling=getattr(torchrec.PoolingType, bag.mode.upper())))
+            feature_names=list(keys), pooling=getattr(torchrec.PoolingType, bag.mode.upper()),
+            data_type=torchrec.DataType.FP16 if bag.dtype == torch.float16 else torchrec.DataType.FP32))
     return out
 
 

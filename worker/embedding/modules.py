@@ -79,15 +79,23 @@ class ShardedTable(nn.Module):
         ttl_rounds: evict rows not pushed for this many rounds (0: never).
         capacity: rows per shard; beyond it the least recently pushed are evicted (0: no limit).
         max_bytes: memory limit of the table per shard, bytes (0: the shard's ``--table-max-bytes``).
+        dtype: the rows' weights on the shards and the wire: ``torch.float32``, or ``torch.float16`` (half the
+            bytes of weights stored and pulled, TorchRec's ``DataType.FP16``; optimizer state stays float32, an
+            update is computed in float32 and rounded to the nearest float16). Lookups still compute in float32
+            (the pulled rows widened exactly), and the gradients pushed are float32.
 
     Raises:
-        ValueError: a setting out of range.
+        ValueError: a setting out of range, a ``dtype`` other than float32 or float16.
     """
 
     def __init__(self, embedding_dim: int, num_embeddings: int | None = None, *, name: str | None = None,
                  padding_idx: int | None = None, seed: int = 0, init_scale: float | None = None, init=None,
-                 min_count: int = 0, ttl_rounds: int = 0, capacity: int = 0, max_bytes: int = 0) -> None:
+                 min_count: int = 0, ttl_rounds: int = 0, capacity: int = 0, max_bytes: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"dtype must be torch.float32 or torch.float16 (the shards' row types), got {dtype}")
+        self.dtype = dtype
         self.init, self.init_args = parse_init(init)
         if num_embeddings is not None and num_embeddings < 1:
             raise ValueError(f"num_embeddings must be >= 1 or None (hashed), got {num_embeddings}")
@@ -133,7 +141,7 @@ class ShardedTable(nn.Module):
                          padding_idx=-1 if self.padding_idx is None else self.padding_idx, seed=self.seed,
                          init_scale=self.init_scale, init=self.init, init_args=self.init_args,
                          min_count=self.min_count, ttl_rounds=self.ttl_rounds, capacity=self.capacity,
-                         max_bytes=self.max_bytes)
+                         max_bytes=self.max_bytes, dtype=str(self.dtype).removeprefix("torch."))
 
     def _not_readable(self) -> str:
         what = f"{type(self).__name__} {self.name!r}"

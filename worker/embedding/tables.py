@@ -249,7 +249,8 @@ class SparseTables:
         for k, (name, ids) in enumerate(parts):
             if not ids.numel():
                 continue
-            row = 4 * self.tables[name][1].embedding_dim + 8
+            spec = self.tables[name][1]
+            row = spec.row_dtype.itemsize * spec.embedding_dim + 8
             for s, mine in enumerate(_by_shard(name, ids, num_shards)):
                 for piece in mine.split(max(1, budget // row)):  # replies within the limit
                     if not piece.numel():
@@ -273,11 +274,11 @@ class SparseTables:
         return [(k, piece, data) for (k, piece), data in zip(pieces, reply.parts)]
 
     def _assemble(self, parts, got) -> list[torch.Tensor]:
-        dims = [self.tables[name][1].embedding_dim for name, _ in parts]
-        outs = [torch.empty(ids.numel(), dim) for (_, ids), dim in zip(parts, dims)]
+        specs = [self.tables[name][1] for name, _ in parts]
+        outs = [torch.empty(ids.numel(), spec.embedding_dim) for (_, ids), spec in zip(parts, specs)]
         for answers in got:
             for k, piece, data in answers:
-                rows = rows_from(data, piece.numel(), dims[k])
+                rows = rows_from(data, piece.numel(), specs[k].embedding_dim, specs[k].row_dtype)  # float32
                 if piece.numel() == outs[k].shape[0]:  # the whole part in one piece (one shard): no copy
                     outs[k] = rows
                 else:
