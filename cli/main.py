@@ -190,6 +190,16 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     m.add_argument("--report", type=Path, help="write a JSON report to this path")
     m.add_argument("--fresh-job", action="store_true", help=FRESH_JOB_HELP)
+    m.add_argument("--online", action="store_true",
+                   help="stream training (docs/online.md): warm start on the first --warm ratings of u.data in time "
+                        "order, then the rest through a Redis stream, each batch scored before it is trained; "
+                        "1 worker, --shards shards started here")
+    m.add_argument("--redis-url", default="", help="--online: the broker (default: a redis-server started here)")
+    m.add_argument("--rate", type=float, default=2000.0, help="--online: events per second published (default 2000)")
+    m.add_argument("--warm", type=int, default=50_000, help="--online: ratings of the warm start (default 50000)")
+    m.add_argument("--warm-epochs", type=int, default=5, help="--online: epochs of the warm start (default 5)")
+    m.add_argument("--limit", type=int, default=0, help="--online: streamed events at most (default 0: all)")
+    m.add_argument("--plot", default="", help="--online: draw the progressive RMSE curve to this PNG file")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     return p
@@ -255,6 +265,8 @@ def _train_movielens(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     from shardps.apps.movielens import MovieLensConfig, run
 
+    if args.online:
+        return _train_movielens_online(args)
     config = MovieLensConfig(data_dir=args.data_dir, workers=args.workers, shards=args.shards, servers=args.servers,
                              epochs=args.epochs, batch_size=args.batch_size, dim=args.dim, lr=args.lr,
                              seed=args.seed, progress=not args.no_progress,
@@ -266,6 +278,22 @@ def _train_movielens(args: argparse.Namespace) -> int:
     _say(f"movielens: test RMSE {report['test_rmse']:.4f} on u1.test, train MSE {report['train_loss']:.4f}, "
          f"{report['steps']} steps in {report['wall_seconds']:.1f}s ({report['workers']} workers, "
          f"{report['shards']} shards)")
+    _write_report(args.report, report)
+    return 0
+
+
+def _train_movielens_online(args: argparse.Namespace) -> int:
+    from shardps.apps.movielens_online import OnlineConfig, run_online
+
+    if args.servers:
+        raise ValueError("--online starts its own shards: leave out --servers")
+    config = OnlineConfig(data_dir=args.data_dir, shards=args.shards, redis_url=args.redis_url, warm=args.warm,
+                          warm_epochs=args.warm_epochs, rate=args.rate, limit=args.limit, dim=args.dim, lr=args.lr,
+                          seed=args.seed, plot=args.plot)
+    try:
+        report = run_online(config, say=_say)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
     _write_report(args.report, report)
     return 0
 

@@ -99,3 +99,20 @@ def test_sigterm_stops_the_job_its_workers_and_the_shards_it_started():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_an_online_movielens_job_streams_through_redis_and_scores_before_training(tmp_path):
+    """``--online``: warm start, then 4,000 ratings through a real Redis stream (a redis-server the job starts):
+    every streamed event trained exactly once, scored before it was trained, the figures and the plot made."""
+    report, plot = tmp_path / "online.json", tmp_path / "online.png"
+    done = shardps("train", "movielens", "--online", "--data-dir", str(DATA), "--warm-epochs", "2", "--limit", "4000",
+                   "--rate", "4000", "--report", str(report), "--plot", str(plot), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["events"] == 4000 and result["config"]["warm"] == 50_000
+    assert 0.5 < result["progressive_rmse"] < 1.5 and 0.5 < result["frozen_rmse"] < 1.5, result
+    assert result["gain"] == pytest.approx(result["frozen_rmse"] - result["progressive_rmse"])
+    assert 0 < result["latency_p50_s"] <= result["latency_p99_s"] < 60 and result["events_per_s"] > 0
+    assert len(result["curve"]) == result["steps"] and plot.stat().st_size > 0
+    assert "progressive RMSE" in done.stdout and "events/s" in done.stdout

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from shardps.worker.stream.events import minibatches
+from shardps.worker.stream.local_redis import LocalRedis
 from shardps.worker.stream.redis_source import BrokerUnavailable, RedisStreamSource, publish
 from shardps.worker.stream.replay import FileReplay
-from tests.support.redis_server import RedisServer
 
 MOVIELENS = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or
                  Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-100k")
@@ -65,7 +65,7 @@ def test_movielens_ratings_replay_in_time_order():
 
 @pytest.fixture
 def redis(tmp_path):
-    with RedisServer(tmp_path / "redis") as server:
+    with LocalRedis(tmp_path / "redis") as server:
         yield server
 
 

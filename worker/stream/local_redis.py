@@ -1,4 +1,8 @@
-"""A real ``redis-server`` (Debian's package) on a free loopback port, for the stream tests; stopped after."""
+"""``LocalRedis``: a ``redis-server`` (Debian's package) on a free loopback port, started and stopped here.
+
+For a job or a test that needs a broker and was given none (``shardps train movielens --online`` without
+``--redis-url``; the stream tests): its append-only file in ``directory``, so a restart keeps the streams.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+__all__ = ["LocalRedis"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -16,9 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
+class LocalRedis:
     """``redis-server`` on 127.0.0.1 with its append-only file in ``directory`` (so a restart keeps the
-    streams); :meth:`stop` and :meth:`start` again on the same port.
+    streams; every write is synced); :meth:`stop` and :meth:`start` again on the same port.
 
     Raises:
         RuntimeError: no ``redis-server`` on PATH (``apt-get install redis-server``), or it did not answer in 20 s.
@@ -34,7 +40,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> "LocalRedis":
         self.directory.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.directory),
@@ -65,7 +71,7 @@ class RedisServer:
                 self.proc.wait(10)
         self.proc = None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> "LocalRedis":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,224 @@
+"""``shardps train movielens --online``: MovieLens-100K's ratings as an event stream through a Redis broker.
+
+    shardps train movielens --online --data-dir PATH/ml-100k [--redis-url redis://host:port/0] [--rate 2000]
+
+The ratings of ``u.data`` in event-time order (the replay sorts them): the first ``--warm`` (50,000) train
+the job's model (``shardps.apps.movielens.MF``, its tables on the shards) offline for ``--warm-epochs``
+epochs; the rest are published by a producer thread to a Redis stream at ``--rate`` events per second
+and trained as they arrive. Each mini-batch (``--batch-size`` events, or fewer after ``--max-wait``
+seconds) is first **scored by the current model** (progressive validation: the prediction is made
+before the model trains on the event; eval mode, which reads rows without creating any) and then trained
+in one sync step. The job prints and reports:
+
+- ``progressive_rmse``: over every streamed event, of its prediction made before training on it
+  (clipped to [1, 5]); ``frozen_rmse``: the same events scored by the warm-started model without updates;
+  ``gain``: ``frozen_rmse - progressive_rmse``, what learning from the stream brings;
+- ``events_per_s``: streamed events over the stream's wall time;
+- ``latency_p50_s``/``latency_p99_s``: event-to-trained latency, from the event's entry into the broker
+  (its Redis entry id's milliseconds) to the end of the step that trained it;
+- ``curve``: the progressive RMSE so far after each step, against event time, drawn to ``--plot`` (PNG).
+
+Not built yet (docs/online.md): offsets saved with the shards' checkpoints (here a batch is acknowledged
+once its sync step is applied), hybrid consistency, expiry by event time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from shardps.apps.movielens import MF
+from shardps.worker import DistributedOptimizer
+from shardps.worker.stream.events import minibatches
+from shardps.worker.stream.redis_source import RedisStreamSource, publish
+from shardps.worker.stream.replay import FileReplay
+
+COLUMNS = ["user", "item", "rating", "time"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineConfig:
+    """One online movielens job (see the module docstring).
+
+    Attributes:
+        data_dir: the ``ml-100k`` folder (``u.data``). shards: shard processes started here.
+        redis_url: the broker (empty: a ``redis-server`` started here, on a free port).
+        warm, warm_epochs: ratings of the offline warm start, and its epochs.
+        batch_size, max_wait: events per streamed step at most, and seconds a partial batch waits.
+        rate: events per second the producer publishes. limit: streamed events at most (0: all the rest).
+        dim, lr, bias_lr, global_lr, init_scale, seed: the model and its optimizers (``MovieLensConfig``'s).
+        plot: a PNG file for the progressive RMSE curve (empty: none).
+
+    Raises:
+        ValueError: a setting out of range.
+    """
+
+    data_dir: str
+    shards: int = 2
+    redis_url: str = ""
+    warm: int = 50_000
+    warm_epochs: int = 5
+    batch_size: int = 256
+    max_wait: float = 0.2
+    rate: float = 2000.0
+    limit: int = 0
+    dim: int = 32
+    lr: float = 0.02
+    bias_lr: float = 0.08
+    global_lr: float = 1e-3
+    init_scale: float = 0.01
+    seed: int = 0
+    plot: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0):
+            raise ValueError("--rate and --max-wait must be > 0 and --limit >= 0")
+
+
+def _tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.tensor([int(e.fields["user"]) for e in events]), torch.tensor([int(e.fields["item"]) for e in events]),
+            torch.tensor([float(e.fields["rating"]) for e in events]))
+
+
+def _squared_errors(model: MF, users, items, ratings) -> torch.Tensor:
+    """Squared errors of the model's clipped predictions, in eval mode (no row is created, nothing pushed)."""
+    model.eval()
+    with torch.no_grad():
+        predicted, _, _ = model(users, items)
+    model.train()
+    return (predicted.clamp(1.0, 5.0) - ratings).pow(2)
+
+
+def _producer(url: str, stream: str, events, rate: float, failed: list) -> None:
+    """Publish ``events`` at ``rate`` per second (blocks of 10 ms), then the end marker."""
+    try:
+        block = max(1, int(rate / 100))
+        start = time.monotonic()
+        for k in range(0, len(events), block):
+            due = start + k / rate
+            if due > time.monotonic():
+                time.sleep(due - time.monotonic())
+            publish(url, stream, [{**e.fields, "time": e.time} for e in events[k:k + block]])
+        publish(url, stream, [], end=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised by the trainer
+        failed.append(exc)
+
+
+def run_online(config: OnlineConfig, say=print) -> dict:
+    """The online job; returns its report (module docstring), with ``config``.
+
+    Raises:
+        FileNotFoundError: no ``u.data`` in ``data_dir``. RuntimeError: a shard, the broker or the producer
+        failed (the message says which). BrokerUnavailable: the broker went away past its retry budget.
+    """
+    from shardps.worker.cluster import LocalCluster
+    from shardps.worker.stream.local_redis import LocalRedis
+
+    path = Path(config.data_dir) / "u.data"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: download ml-100k.zip from https://grouplens.org/datasets/"
+                                "movielens/100k/ and pass --data-dir PATH/ml-100k")
+    events = FileReplay(path, COLUMNS, "time", sort=True).read(10 ** 9, 0)
+    warm, streamed = events[:config.warm], events[config.warm:]
+    if config.limit:
+        streamed = streamed[:config.limit]
+    torch.manual_seed(config.seed)
+    with tempfile.TemporaryDirectory(prefix="shardps-online-") as tmp, \
+            LocalCluster(config.shards, min_workers=1, extra_args=("--threads", "1")) as cluster:
+        broker = None if config.redis_url else LocalRedis(Path(tmp) / "redis").start()
+        url = config.redis_url or broker.url
+        try:
+            report = _train(config, cluster.servers, url, warm, streamed, say)
+        finally:
+            if broker is not None:
+                broker.stop()
+    if config.plot:
+        _plot(report, config.plot)
+        report["plot"] = config.plot
+    return {**report, "config": asdict(config)}
+
+
+def _train(config: OnlineConfig, servers: str, url: str, warm, streamed, say) -> dict:
+    users, items, ratings = _tensors(warm)
+    model = MF(config.dim, config.init_scale, float(ratings.mean()))
+    dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
+    sparse = torch.optim.Adagrad([{"params": [model.user.handle, model.item.handle]},
+                                  {"params": [model.user_bias.handle, model.item_bias.handle], "lr": config.bias_lr}],
+                                 lr=config.lr, eps=1e-10)
+    dist = DistributedOptimizer(dense, model.named_parameters(), servers=servers, model=model,
+                                worker_id="online-0", sparse_optimizer=sparse)
+    generator = torch.Generator().manual_seed(config.seed)
+    try:
+        for epoch in range(config.warm_epochs):
+            for batch in torch.randperm(users.numel(), generator=generator).split(512):
+                dist.zero_grad()
+                predicted, _, _ = model(users[batch], items[batch])
+                (predicted - ratings[batch]).pow(2).mean().backward()
+                dist.step()
+        su, si, sr = _tensors(streamed)
+        frozen = float(_squared_errors(model, su, si, sr).mean().sqrt())
+        say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
+            f"{len(streamed)} streamed ratings: {frozen:.4f}")
+        stream, failed = "shardps-movielens", []
+        producer = threading.Thread(target=_producer, args=(url, stream, streamed, config.rate, failed), daemon=True)
+        source = RedisStreamSource(url, stream, "trainers", "online-0")
+        producer.start()
+        errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
+        for batch in minibatches(source, config.batch_size, config.max_wait):
+            u, i, r = _tensors(batch)
+            errors.append(_squared_errors(model, u, i, r))  # scored before the model learns from them
+            dist.zero_grad()
+            predicted, _, _ = model(u, i)
+            (predicted - r).pow(2).mean().backward()
+            dist.step()
+            trained = time.time()
+            latencies.extend(trained - int(e.offset.split("-")[0]) / 1000 for e in batch)
+            source.commit(batch[-1].offset)
+            done += len(batch)
+            curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean()))))
+        seconds = time.monotonic() - started
+        producer.join(30)
+        if failed:
+            raise RuntimeError(f"the producer failed: {failed[0]}") from failed[0]
+        source.close()
+    finally:
+        dist.close()
+    if done != len(streamed):
+        raise RuntimeError(f"trained {done} of {len(streamed)} streamed events")
+    progressive = curve[-1][1]
+    q = statistics.quantiles(latencies, n=100)
+    report = {"events": done, "frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive,
+              "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
+              "curve": curve}
+    say(f"online: {done} events in {seconds:.1f} s ({report['events_per_s']:.0f} events/s), progressive RMSE "
+        f"{progressive:.4f} (frozen {frozen:.4f}, gain {report['gain']:.4f}), event-to-trained latency p50 "
+        f"{q[49] * 1e3:.0f} ms, p99 {q[98] * 1e3:.0f} ms")
+    return report
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times, rmse = zip(*report["curve"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([(t - times[0]) / 86400 for t in times], rmse, label="progressive RMSE (shardps, online)")
+    ax.axhline(report["frozen_rmse"], color="grey", linestyle="--", label="frozen warm-started model")
+    ax.set_xlabel("event time (days since the stream's first event)")
+    ax.set_ylabel("RMSE")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
