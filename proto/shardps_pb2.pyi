@@ -476,14 +476,16 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class DeclareTablesRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "tables")
+    __slots__ = ("worker_id", "session", "tables", "rows_mode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_MODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    rows_mode: str
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., rows_mode: _Optional[str] = ...) -> None: ...
 
 class DeclareTablesReply(_message.Message):
     __slots__ = ("round",)

@@ -69,6 +69,12 @@ class ConsistencyOptions:
             None with the other modes.
         scale_lr_by_staleness: async/ssp: the shards divide each push's learning
             rates by ``max(1, staleness)`` (Zhang et al., IJCAI 2016). Off by default.
+        tables: how the shards apply the sparse tables' pushes (``sparse_optimizer=``):
+            ``"sync"`` (default: one round per step of every worker, their gradients
+            averaged, exactly one process's training) or ``"async"`` (**hybrid**,
+            with ``mode="sync"``: each worker's rows applied on their own as they
+            arrive, its gradient whole, while the dense parameters stay sync; Persia,
+            Lian et al. 2021). Tables with ``mode="async"``/``"ssp"`` are refused.
 
     Raises:
         ValueError: an unknown mode, ssp without an int bound >= 0, a bound or lr
@@ -78,11 +84,14 @@ class ConsistencyOptions:
     mode: str = "sync"
     staleness: int | None = None
     scale_lr_by_staleness: bool = False
+    tables: str = "sync"
 
     def __post_init__(self) -> None:
         problem = mode_problem(self.mode, self.staleness, self.scale_lr_by_staleness)
         if problem is not None:
             raise ValueError(problem)
+        if self.tables not in ("sync", "async"):
+            raise ValueError(f"tables must be 'sync' or 'async', got {self.tables!r}")
 
     def to_proto(self) -> pb.ModeSpec:
         """The mode as sent in a Join (``staleness`` 0 when None)."""

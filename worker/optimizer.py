@@ -296,7 +296,8 @@ class DistributedOptimizer(RoundSteps, JobView):
             self._member_number = joined.member_number  # where its async/ssp pushes start (staggered_order)
             self._announce_join(joined.initialised, resume)
             self._tables = SparseTables(self._clients, self.worker_id, self.session, sparse_optimizer, model,
-                                        self._rejoin_shard, wire.max_message_bytes) if sparse_optimizer else None
+                                        self._rejoin_shard, wire.max_message_bytes,
+                                        consistency.tables) if sparse_optimizer else None
             self._watcher = WaitWatcher(self._clients, mode=consistency.mode, staleness=consistency.staleness or 0,
                                         lease_seconds=joined.lease_seconds, on_wait=observability.on_wait)
         except BaseException:

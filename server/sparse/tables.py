@@ -21,6 +21,11 @@ optimizer state, step counts, admission counts, slots and the index stay
 exactly as they were (``rounds``, ``fused.prepare_round``), and the next pull
 or push of each of its members fails with the reason (once).
 
+With **async rows** (the members declare ``rows_mode="async"``: hybrid
+training, dense rounds sync) a round is one push, the oldest staged,
+applied as soon as it is staged without waiting for the other members,
+its gradient whole (Persia's hybrid training; Lian et al. 2021).
+
 Every method runs on the shard's event loop; reads and updates of rows run
 on the store's compute thread, one at a time (``store.run``).
 """
@@ -75,6 +80,7 @@ class SparseTables:
         self.slabs: dict[tuple, RowSlab] = {}  # row storage per row shape, shared by the tables of that shape
         self.round = 0  # sparse rounds applied
         self.members: dict[str, int] = {}  # table member -> its last push number taken (-1: none yet)
+        self.rows_mode: str | None = None  # "sync" or "async" rounds, fixed by the members' declares
         self.staged: dict[str, _Push] = {}
         self.parts = PushParts()  # pushes that come in several messages, until their last part
         self.failed: dict[str, ShardError] = {}
@@ -107,6 +113,12 @@ class SparseTables:
         """
         self.store.check_open()
         self.store.members.get(request.worker_id, request.session)
+        mode = request.rows_mode or "sync"
+        if mode not in ("sync", "async"):
+            raise InvalidArgument(f"rows_mode must be 'sync' or 'async', got {shown(mode)}")
+        if self.rows_mode is not None and mode != self.rows_mode and self.members.keys() - {request.worker_id}:
+            raise FailedPrecondition(f"the job's tables run {self.rows_mode} sparse rounds and this worker declared "
+                                     f"{mode} ones: every worker must use the same ConsistencyOptions(tables=)")
         specs: dict[str, TableSpec] = {}
         for m in request.tables:
             try:
@@ -131,6 +143,7 @@ class SparseTables:
                 log.info("shard %d: sparse table %s (dim %d, %s) declared", self.store.config.shard_index,
                          shown(name), spec.embedding_dim, spec.optimizer)
         self.members.setdefault(request.worker_id, -1)
+        self.rows_mode = mode
         return pb.DeclareTablesReply(round=self.round)
 
     def _member(self, worker_id: str, session: str) -> None:
@@ -208,8 +221,8 @@ class SparseTables:
 
     def maybe_apply(self) -> None:
         """Start applying the round once every member of the job pushed (the first round also waits for
-        ``min_workers`` members, as dense rounds do)."""
-        if self.applying or not self.staged or self.waiting_for():
+        ``min_workers`` members, as dense rounds do); with async rows, once any member pushed."""
+        if self.applying or not self.staged or (self.rows_mode != "async" and self.waiting_for()):
             return
         if self.round == 0 and len(self.store.members) < self.store.config.min_workers:
             return
@@ -217,7 +230,8 @@ class SparseTables:
         asyncio.get_running_loop().create_task(self._apply())
 
     async def _apply(self) -> None:
-        workers = sorted(self.staged)
+        # async rows: the oldest staged push alone, its gradient whole (the average of one push)
+        workers = [next(iter(self.staged))] if self.rows_mode == "async" else sorted(self.staged)
         pushes = [self.staged[w] for w in workers]
         number = self.round
         try:

@@ -107,7 +107,9 @@ def check_sparse_options(optimizer: torch.optim.Optimizer, sparse_optimizer: tor
             raise ValueError("model has sharded embedding tables: pass sparse_optimizer= over their handles")
         return
     if mode != "sync":
-        raise ValueError(f"sparse tables train in sync mode only (got {mode!r}): use ConsistencyOptions(mode='sync')")
+        raise ValueError(f"sparse tables train with sync dense rounds only (got mode={mode!r}): use "
+                         "ConsistencyOptions(mode='sync') (tables sync too, exact), or ConsistencyOptions(mode='sync', "
+                         "tables='async') (hybrid: dense sync, each worker's rows applied as they arrive)")
     if options.max_grad_norm is not None or options.grad_scaler is not None:
         raise ValueError("max_grad_norm and grad_scaler cover the dense parameters only and are not supported with "
                          "sparse tables yet: clip or scale without them, or train the tables dense")

@@ -128,8 +128,9 @@ class SparseTables:
     """
 
     def __init__(self, clients: list[ShardClient], worker_id: str, session: str, optimizer: torch.optim.Optimizer,
-                 model: torch.nn.Module | None, rejoin, max_message_bytes: int) -> None:
+                 model: torch.nn.Module | None, rejoin, max_message_bytes: int, rows_mode: str = "sync") -> None:
         self._clients, self.worker_id, self.session, self._rejoin = clients, worker_id, session, rejoin
+        self.rows_mode = rows_mode  # the job's sparse rounds: sync or async (ConsistencyOptions.tables)
         self._max_message_bytes = max_message_bytes
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
@@ -148,7 +149,7 @@ class SparseTables:
             module.attach(self)
 
     def _declare(self, shards) -> None:
-        request = pb.DeclareTablesRequest(worker_id=self.worker_id, session=self.session,
+        request = pb.DeclareTablesRequest(worker_id=self.worker_id, session=self.session, rows_mode=self.rows_mode,
                                           tables=[spec.to_proto() for _, spec, _ in self.tables.values()])
         shards = list(shards)
         if len(shards) == 1:  # on the caller's thread: it may be a thread of the pool itself (a pull's _call)
