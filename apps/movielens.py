@@ -129,12 +129,13 @@ def load(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class MF(nn.Module):
     """Biased matrix factorisation: ``forward(users, items)`` (int64 ``[B]``) -> ``(ratings [B], p_u, q_i)``."""
 
-    def __init__(self, dim: int, init_scale: float, mean: float) -> None:
+    def __init__(self, dim: int, init_scale: float, mean: float, ttl_seconds: float = 0.0) -> None:
         super().__init__()
-        self.user = ShardedEmbedding(None, dim, init_scale=init_scale)
-        self.item = ShardedEmbedding(None, dim, init_scale=init_scale)
-        self.user_bias = ShardedEmbedding(None, 1, init_scale=0.0)
-        self.item_bias = ShardedEmbedding(None, 1, init_scale=0.0)
+        expiry = {"ttl_seconds": ttl_seconds}  # rows unseen for this much event time are evicted (0: never)
+        self.user = ShardedEmbedding(None, dim, init_scale=init_scale, **expiry)
+        self.item = ShardedEmbedding(None, dim, init_scale=init_scale, **expiry)
+        self.user_bias = ShardedEmbedding(None, 1, init_scale=0.0, **expiry)
+        self.item_bias = ShardedEmbedding(None, 1, init_scale=0.0, **expiry)
         self.global_bias = nn.Parameter(torch.tensor(float(mean)))
 
     def forward(self, users: torch.Tensor, items: torch.Tensor):

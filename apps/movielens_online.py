@@ -16,10 +16,12 @@ in one sync step. The job prints and reports:
 - ``events_per_s``: streamed events over the stream's wall time;
 - ``latency_p50_s``/``latency_p99_s``: event-to-trained latency, from the event's entry into the broker
   (its Redis entry id's milliseconds) to the end of the step that trained it;
-- ``curve``: the progressive RMSE so far after each step, against event time, drawn to ``--plot`` (PNG).
+- ``curve``: ``(event time, progressive RMSE so far, rows held)`` after each step (rows read from the
+  shards' metrics every 20 steps), drawn to ``--plot`` (PNG); ``rows_held``, ``rows_held_max``.
 
-Not built yet (docs/online.md): offsets saved with the shards' checkpoints (here a batch is acknowledged
-once its sync step is applied), hybrid consistency, expiry by event time.
+``--ttl-days D`` evicts user and item rows unseen for D days of event time (``ttl_seconds``; every step
+sends its batch's latest event time). Not built yet (docs/online.md): offsets saved with the shards'
+checkpoints (here a batch is acknowledged once its sync step is applied).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class OnlineConfig:
         batch_size, max_wait: events per streamed step at most, and seconds a partial batch waits.
         rate: events per second the producer publishes. limit: streamed events at most (0: all the rest).
         dim, lr, bias_lr, global_lr, init_scale, seed: the model and its optimizers (``MovieLensConfig``'s).
-        plot: a PNG file for the progressive RMSE curve (empty: none).
+        ttl_days: evict user and item rows unseen for this many days of event time (0: never; ``ttl_seconds``).
+        plot: a PNG file for the progressive RMSE curve and the rows held (empty: none).
 
     Raises:
         ValueError: a setting out of range.
@@ -75,14 +78,15 @@ class OnlineConfig:
     global_lr: float = 1e-3
     init_scale: float = 0.01
     seed: int = 0
+    ttl_days: float = 0.0
     plot: str = ""
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0):
-            raise ValueError("--rate and --max-wait must be > 0 and --limit >= 0")
+        if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0 and self.ttl_days >= 0):
+            raise ValueError("--rate and --max-wait must be > 0, --limit and --ttl-days >= 0")
 
 
 def _tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,11 +138,11 @@ def run_online(config: OnlineConfig, say=print) -> dict:
         streamed = streamed[:config.limit]
     torch.manual_seed(config.seed)
     with tempfile.TemporaryDirectory(prefix="shardps-online-") as tmp, \
-            LocalCluster(config.shards, min_workers=1, extra_args=("--threads", "1")) as cluster:
+            LocalCluster(config.shards, min_workers=1, extra_args=("--threads", "1", "--metrics-port", "0")) as cluster:
         broker = None if config.redis_url else LocalRedis(Path(tmp) / "redis").start()
         url = config.redis_url or broker.url
         try:
-            report = _train(config, cluster.servers, url, warm, streamed, say)
+            report = _train(config, cluster, url, warm, streamed, say)
         finally:
             if broker is not None:
                 broker.stop()
@@ -148,9 +152,24 @@ def run_online(config: OnlineConfig, say=print) -> dict:
     return {**report, "config": asdict(config)}
 
 
-def _train(config: OnlineConfig, servers: str, url: str, warm, streamed, say) -> dict:
+def _rows_held(cluster) -> int:
+    """Rows the shards hold, every table (their ``shardps_shard_table_rows`` gauges)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for endpoint in cluster.endpoints:
+        text = urllib.request.urlopen(f"http://{endpoint['metrics']}/metrics", timeout=30).read().decode()
+        total += sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "shardps_shard_table_rows")
+    return int(total)
+
+
+def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict:
+    servers = cluster.servers
     users, items, ratings = _tensors(warm)
-    model = MF(config.dim, config.init_scale, float(ratings.mean()))
+    model = MF(config.dim, config.init_scale, float(ratings.mean()), config.ttl_days * 86400.0)
     dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
     sparse = torch.optim.Adagrad([{"params": [model.user.handle, model.item.handle]},
                                   {"params": [model.user_bias.handle, model.item_bias.handle], "lr": config.bias_lr}],
@@ -164,6 +183,7 @@ def _train(config: OnlineConfig, servers: str, url: str, warm, streamed, say) ->
                 dist.zero_grad()
                 predicted, _, _ = model(users[batch], items[batch])
                 (predicted - ratings[batch]).pow(2).mean().backward()
+                dist.set_event_time(warm[-1].time)  # the warm start is the model as of its last rating
                 dist.step()
         su, si, sr = _tensors(streamed)
         frozen = float(_squared_errors(model, su, si, sr).mean().sqrt())
@@ -180,12 +200,14 @@ def _train(config: OnlineConfig, servers: str, url: str, warm, streamed, say) ->
             dist.zero_grad()
             predicted, _, _ = model(u, i)
             (predicted - r).pow(2).mean().backward()
+            dist.set_event_time(batch[-1].time)
             dist.step()
             trained = time.time()
             latencies.extend(trained - int(e.offset.split("-")[0]) / 1000 for e in batch)
             source.commit(batch[-1].offset)
             done += len(batch)
-            curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean()))))
+            rows = _rows_held(cluster) if len(curve) % 20 == 0 else curve[-1][2]  # every 20 steps
+            curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean())), rows))
         seconds = time.monotonic() - started
         producer.join(30)
         if failed:
@@ -197,7 +219,9 @@ def _train(config: OnlineConfig, servers: str, url: str, warm, streamed, say) ->
         raise RuntimeError(f"trained {done} of {len(streamed)} streamed events")
     progressive = curve[-1][1]
     q = statistics.quantiles(latencies, n=100)
+    dist_rows = _rows_held(cluster)
     report = {"events": done, "frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive,
+              "rows_held": dist_rows, "rows_held_max": max(dist_rows, *(c[2] for c in curve)),
               "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
               "curve": curve}
     say(f"online: {done} events in {seconds:.1f} s ({report['events_per_s']:.0f} events/s), progressive RMSE "
@@ -212,13 +236,18 @@ def _plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    times, rmse = zip(*report["curve"])
+    times, rmse, rows = zip(*report["curve"])
+    days = [(t - times[0]) / 86400 for t in times]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([(t - times[0]) / 86400 for t in times], rmse, label="progressive RMSE (shardps, online)")
+    ax.plot(days, rmse, label="progressive RMSE (shardps, online)")
     ax.axhline(report["frozen_rmse"], color="grey", linestyle="--", label="frozen warm-started model")
     ax.set_xlabel("event time (days since the stream's first event)")
     ax.set_ylabel("RMSE")
-    ax.legend()
+    held = ax.twinx()
+    held.plot(days, rows, color="tab:orange", label="rows held (all tables)")
+    held.set_ylabel("rows held")
+    ax.legend(loc="upper right")
+    held.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

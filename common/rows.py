@@ -331,6 +331,8 @@ class TableSpec:
             and its arguments: ``uniform (a, b)``, ``normal (mean, std)``, ``zeros ()``, ``constant (c)``.
         min_count: sightings before an id becomes a trained row (0 or 1: at once).
         ttl_rounds: evict rows not pushed for this many rounds (0: never).
+        ttl_seconds: evict rows unseen for this many seconds of event time (0: never; Monolith's expiry): the
+            pushes carry their events' time, a row keeps the time of the last push carrying it.
         capacity: rows per shard, least recently pushed evicted beyond it (0: no limit).
         max_bytes: bytes of rows and state per shard before pushes are refused (0: the shard's default).
 
@@ -353,6 +355,7 @@ class TableSpec:
     capacity: int = 0
     max_bytes: int = 0
     dtype: str = "float32"
+    ttl_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and 1 <= len(self.name) <= 128 and self.name.isprintable()):
@@ -387,6 +390,9 @@ class TableSpec:
         if (self.init == "uniform" and not args[0] < args[1]) or (self.init == "normal" and not args[1] >= 0):
             raise ValueError(f"table {self.name!r}: init {self.init}{args} needs a < b (uniform) or std >= 0 (normal)")
         object.__setattr__(self, "init_args", args)
+        if not (math.isfinite(self.ttl_seconds) and self.ttl_seconds >= 0):
+            raise ValueError(f"table {self.name!r}: ttl_seconds must be finite and >= 0, got {self.ttl_seconds}")
+        object.__setattr__(self, "ttl_seconds", float(self.ttl_seconds))
         if self.dtype not in ROW_DTYPES:
             raise ValueError(f"table {self.name!r}: dtype must be one of {sorted(ROW_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and _largest_initial(self.init, args, self.init_scale) > FLOAT16_MAX:
@@ -420,7 +426,7 @@ class TableSpec:
                             seed=self.seed, init_scale=self.init_scale, init=self.init, init_args=self.init_args,
                             min_count=self.min_count,
                             ttl_rounds=self.ttl_rounds, capacity=self.capacity, max_bytes=self.max_bytes,
-                            dtype=self.dtype)
+                            dtype=self.dtype, ttl_seconds=self.ttl_seconds)
 
     @classmethod
     def from_proto(cls, m: pb.TableSpec) -> "TableSpec":
@@ -429,7 +435,7 @@ class TableSpec:
                    padding_idx=m.padding_idx, optimizer=m.optimizer, hyperparams=dict(m.hyperparams), seed=m.seed,
                    init_scale=m.init_scale, init=m.init, init_args=tuple(m.init_args), min_count=m.min_count,
                    ttl_rounds=m.ttl_rounds, capacity=m.capacity,
-                   max_bytes=m.max_bytes, dtype=m.dtype or "float32")
+                   max_bytes=m.max_bytes, dtype=m.dtype or "float32", ttl_seconds=m.ttl_seconds)
 
     def differences(self, other: "TableSpec") -> list[str]:
         """The fields where ``other`` differs, as ``field: mine vs other``."""

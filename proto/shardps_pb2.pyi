@@ -435,7 +435,7 @@ class SetStateReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes", "init", "init_args", "dtype")
+    __slots__ = ("name", "embedding_dim", "num_embeddings", "padding_idx", "optimizer", "hyperparams", "seed", "init_scale", "min_count", "ttl_rounds", "capacity", "max_bytes", "init", "init_args", "dtype", "ttl_seconds")
     class HyperparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -458,6 +458,7 @@ class TableSpec(_message.Message):
     INIT_FIELD_NUMBER: _ClassVar[int]
     INIT_ARGS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     embedding_dim: int
     num_embeddings: int
@@ -473,7 +474,8 @@ class TableSpec(_message.Message):
     init: str
     init_args: _containers.RepeatedScalarFieldContainer[float]
     dtype: str
-    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    ttl_seconds: float
+    def __init__(self, name: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., padding_idx: _Optional[int] = ..., optimizer: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ..., seed: _Optional[int] = ..., init_scale: _Optional[float] = ..., min_count: _Optional[int] = ..., ttl_rounds: _Optional[int] = ..., capacity: _Optional[int] = ..., max_bytes: _Optional[int] = ..., init: _Optional[str] = ..., init_args: _Optional[_Iterable[float]] = ..., dtype: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class DeclareTablesRequest(_message.Message):
     __slots__ = ("worker_id", "session", "tables", "rows_mode")
@@ -542,20 +544,22 @@ class TableRows(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "push", "tables", "part", "parts")
+    __slots__ = ("worker_id", "session", "push", "tables", "part", "parts", "event_time")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     push: int
     tables: _containers.RepeatedCompositeFieldContainer[TableRows]
     part: int
     parts: int
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    event_time: float
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., event_time: _Optional[float] = ...) -> None: ...
 
 class PushRowsReply(_message.Message):
     __slots__ = ("round",)

@@ -450,6 +450,19 @@ class DistributedOptimizer(RoundSteps, JobView):
         optimizer_state.load(self._clients, self._pool, self._header(), self.plan, self._optimizer, self._params,
                              state_dict)
 
+    def set_event_time(self, seconds: float) -> None:
+        """The event time of this step's batch (seconds; the latest of its events), sent with the step's push of
+        table rows: tables with ``ttl_seconds`` need it at every step (their rows expire by event time).
+
+        Raises:
+            ValueError: not finite, or < 0. RuntimeError: no sparse tables.
+        """
+        if self._tables is None:
+            raise RuntimeError("set_event_time: this DistributedOptimizer has no sparse tables")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"event time must be finite and >= 0 seconds, got {seconds}")
+        self._tables.event_time = float(seconds)
+
     @property
     def tables(self) -> SparseTables | None:
         """The sharded embedding tables of ``sparse_optimizer`` (``export(name)`` reads one back), or None."""

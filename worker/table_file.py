@@ -70,8 +70,9 @@ def tables_json(specs: Mapping[str, TableSpec]) -> str:
     for name, spec in specs.items():
         fields = dataclasses.asdict(spec)
         fields.pop("name")
-        if fields["dtype"] == "float32":
-            fields.pop("dtype")  # the default: files of float32 tables stay readable by shardps before float16 rows
+        for name_, default in (("dtype", "float32"), ("ttl_seconds", 0.0)):
+            if fields[name_] == default:  # defaults left out: the files stay readable by shardps before these fields
+                fields.pop(name_)
         out[name] = fields
     return json.dumps(out, sort_keys=True)
 

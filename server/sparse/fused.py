@@ -226,11 +226,15 @@ def prepare_round(merged: list[tuple], slots: list[torch.Tensor], initial: list[
     return PreparedRound(parts, updates)
 
 
-def commit_round(prepared: PreparedRound, round_: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def commit_round(prepared: PreparedRound, round_: int, event_time: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Write a :func:`prepare_round` result: step counts, admission counts, new rows' slots, rows, optimizer
-    state and last-pushed rounds. Returns ``(ids, slots, tags)`` of the rows made (int64 ``[m]`` each), for the
-    caller to insert into the index."""
+    state and last-pushed rounds, and where ``event_time`` (seconds, > 0) is given, the rows' last event time
+    (slabs that keep it) and the tables' event clocks. Returns ``(ids, slots, tags)`` of the rows made (int64
+    ``[m]`` each), for the caller to insert into the index."""
     for p in prepared.parts:
+        if event_time > 0:
+            p.table.clock = max(p.table.clock, event_time)
         p.table.counts["rows_pushed"] += p.pushed
         p.table.step = p.step
         if p.admission is not None:
@@ -252,6 +256,10 @@ def commit_round(prepared: PreparedRound, round_: int) -> tuple[torch.Tensor, to
         for name, t in u.state.items():
             slab.state[name].index_copy_(0, slots, t)
         slab.touched.index_fill_(0, slots, round_)
+        if slab.seen is not None and event_time > 0:
+            if slab.base is None:
+                slab.base = float(math.floor(event_time))
+            slab.seen.index_fill_(0, slots, int(event_time - slab.base))
     if not made:
         empty = torch.empty(0, dtype=torch.int64)
         return empty, empty, empty
@@ -259,9 +267,9 @@ def commit_round(prepared: PreparedRound, round_: int) -> tuple[torch.Tensor, to
 
 
 def apply_round(merged: list[tuple], slots: list[torch.Tensor], initial: list[torch.Tensor | None],
-                round_: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                round_: int, event_time: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prepare_round`, then :func:`commit_round`: all of the round, or (it raises) nothing of it."""
-    return commit_round(prepare_round(merged, slots, initial), round_)
+    return commit_round(prepare_round(merged, slots, initial), round_, event_time)
 
 
 def _prepare_slab(slab, parts: list[_Part]) -> _SlabUpdate | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 
 import torch
 
@@ -65,7 +66,12 @@ def staged_rows(request: pb.PushRowsRequest, tables: list, ids: list[torch.Tenso
         InvalidArgument: a learning rate not finite, >= 0 and within float32's range, a gradient of the
             wrong size, the padding id pushed, a repeated id, a gradient not finite (the message names the table).
     """
+    if not math.isfinite(request.event_time) or request.event_time < 0:
+        raise InvalidArgument(f"event_time must be finite and >= 0 (seconds), got {request.event_time}")
     for part, table, i in zip(request.tables, tables, ids):
+        if table.spec.ttl_seconds and not request.event_time > 0:
+            raise InvalidArgument(f"table {shown(part.table)} expires rows by event time (ttl_seconds): its pushes "
+                                  "must carry their events' time (DistributedOptimizer.set_event_time)")
         problem = lr_problem(part.lr)
         if problem is not None:
             raise InvalidArgument(f"learning rate of table {shown(part.table)}: {problem}; it must be finite, "

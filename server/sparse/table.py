@@ -46,11 +46,14 @@ class RowTable:
         self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
         self.place_salt = placement_salt(spec.name)
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
-        self.slab = RowSlab(spec.embedding_dim, self.widths, spec.row_dtype) if slab is None else slab
-        if (self.slab.dim, self.slab.widths, self.slab.dtype) != (spec.embedding_dim, self.widths, spec.row_dtype):
+        self.slab = RowSlab(spec.embedding_dim, self.widths, spec.row_dtype, spec.ttl_seconds > 0) if slab is None \
+            else slab
+        if (self.slab.dim, self.slab.widths, self.slab.dtype, self.slab.seen is not None) != \
+                (spec.embedding_dim, self.widths, spec.row_dtype, spec.ttl_seconds > 0):
             raise ValueError(f"table {spec.name!r} does not fit its slab's row shape")
         self.rows = 0
         self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
+        self.clock = 0.0  # the latest event time pushed to the table, seconds (ttl_seconds tables)
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.candidates = IdIndex()
         self._cand = torch.zeros(0, 2, dtype=torch.int64)  # (count, last round seen) per candidate slot
@@ -161,8 +164,8 @@ class RowTable:
         return admit
 
     def evicts(self) -> bool:
-        """Whether :meth:`evict` has anything to do (``ttl_rounds`` or ``capacity`` set)."""
-        return bool(self.spec.ttl_rounds or self.spec.capacity)
+        """Whether :meth:`evict` has anything to do (``ttl_rounds``, ``ttl_seconds`` or ``capacity`` set)."""
+        return bool(self.spec.ttl_rounds or self.spec.ttl_seconds or self.spec.capacity)
 
     def evict(self, round_: int, held: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After round ``round_``'s update (and the index insert of its new rows): drop the rows past
@@ -174,6 +177,11 @@ class RowTable:
         ids, slots = self.items() if held is None else held
         if s.ttl_rounds and ids.numel():
             old = round_ - self.touched[slots] >= s.ttl_rounds
+            if bool(old.any()):
+                self._drop(ids[old], slots[old], "evicted_ttl")
+                ids, slots = ids[~old], slots[~old]
+        if s.ttl_seconds and ids.numel() and self.slab.base is not None:  # unseen for ttl_seconds of event time
+            old = self.slab.seen[slots].to(torch.float64) < self.clock - self.slab.base - s.ttl_seconds
             if bool(old.any()):
                 self._drop(ids[old], slots[old], "evicted_ttl")
                 ids, slots = ids[~old], slots[~old]
@@ -210,11 +218,12 @@ class RowTable:
         weights = "F16" if self.spec.dtype == "float16" else "F32"
         out = [("ids", "I64", (n,)), ("weights", weights, (n, self.spec.embedding_dim)), ("touched", "I64", (n,)),
                ("cand_ids", "I64", (c,)), ("cand", "I64", (c, 2))]
-        return out + [(f"state.{name}", "F32", (n, width)) for name, width in self.widths.items()]
+        seen = [("seen", "I64", (n,))] if self.slab.seen is not None else []  # last event times, whole seconds
+        return out + seen + [(f"state.{name}", "F32", (n, width)) for name, width in self.widths.items()]
 
     def snapshot_numbers(self) -> dict:
         """The numbers :meth:`restore` takes besides the tensors: optimizer steps and counters."""
-        return {"step": self.step, "counts": dict(self.counts)}
+        return {"step": self.step, "counts": dict(self.counts), "clock": self.clock}
 
     def write_snapshot(self, write, block_bytes: int) -> None:
         """Hand every tensor of :meth:`snapshot_layout` to ``write(name, tensor)``, rows in id order, ``block_bytes``
@@ -240,6 +249,8 @@ class RowTable:
             part = slots[begin: begin + per]
             write("weights", self.weights[part])
             write("touched", self.touched[part].to(torch.int64))
+            if self.slab.seen is not None:
+                write("seen", self.slab.seen[part].to(torch.int64) + int(self.slab.base or 0))
             for name in self.widths:
                 write(f"state.{name}", self.state[name][part])
         write("cand_ids", cand_ids)
@@ -267,6 +278,14 @@ class RowTable:
         self.touched[slots] = tensors["touched"].to(torch.int32)
         for k in self.widths:
             self.state[k][slots] = tensors[f"state.{k}"]
+        if self.slab.seen is not None:  # a checkpoint before event times were kept: the rows count as seen now
+            seen = tensors.get("seen")
+            clock = float(numbers.get("clock", 0.0))
+            if self.slab.base is None and (clock or seen is not None and seen.numel()):
+                self.slab.base = float(int(seen.min())) if seen is not None and seen.numel() else float(int(clock))
+            base = int(self.slab.base or 0)
+            self.slab.seen[slots] = (seen - base).to(torch.int32) if seen is not None else int(clock) - base
+        self.clock = float(numbers.get("clock", 0.0))
         cand_ids = tensors["cand_ids"]
         if cand_ids.numel():
             self._cand = tensors["cand"].clone()

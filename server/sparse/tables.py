@@ -64,6 +64,7 @@ class _Push:
     number: int
     tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # table -> (ids, grads, lr)
     worker: str = ""
+    event_time: float = 0.0  # the push's events' time, seconds (0: none)
 
 
 class SparseTables:
@@ -98,8 +99,8 @@ class SparseTables:
 
     def _new_table(self, spec: TableSpec, max_bytes: int) -> RowTable:
         widths = state_widths(spec.optimizer, spec.embedding_dim)
-        key = (spec.embedding_dim, tuple(widths.items()), spec.row_dtype)
-        slab = self.slabs.setdefault(key, RowSlab(spec.embedding_dim, widths, spec.row_dtype))
+        key = (spec.embedding_dim, tuple(widths.items()), spec.row_dtype, spec.ttl_seconds > 0)
+        slab = self.slabs.setdefault(key, RowSlab(spec.embedding_dim, widths, spec.row_dtype, spec.ttl_seconds > 0))
         return RowTable(spec, max_bytes, self.index, len(self.tables), slab)
 
     # ------------------------------------------------------------ declare
@@ -203,7 +204,7 @@ class SparseTables:
         checked = checked_ids([(t, part.ids) for t, part in zip(named, request.tables)], "the push", self.store.config)
         tables = staged_rows(request, named, checked)
         self.members[request.worker_id] = request.push
-        self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id)
+        self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id, request.event_time)
         self.maybe_apply()
         return pb.PushRowsReply(round=self.round)
 
@@ -288,7 +289,8 @@ class SparseTables:
                 f"the round's new rows need about {growth} bytes more and the shard holds {resident_bytes()} bytes "
                 f"of its memory budget of {budget} bytes (--memory-budget-bytes): add shards, or set capacity/"
                 "ttl_rounds on the tables so rows are evicted")
-        ids, slots, tags = fused.commit_round(fused.prepare_round(merged, found, initial), number)
+        ids, slots, tags = fused.commit_round(fused.prepare_round(merged, found, initial), number,
+                                              max(p.event_time for p in pushes))
         self._grew = {}
         for (table, *_), count in zip(merged, new):
             self._grew[table.slab] = self._grew.get(table.slab, 0) + count

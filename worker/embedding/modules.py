@@ -77,6 +77,9 @@ class ShardedTable(nn.Module):
         min_count: sightings (pushes carrying the id) before an id becomes a trained row; until then it
             reads as its initial value and its gradient is dropped (0 or 1: at once).
         ttl_rounds: evict rows not pushed for this many rounds (0: never).
+        ttl_seconds: evict rows unseen for this many seconds of **event time** (0: never; Monolith's expiry):
+            every step then tells the shards its events' time (``DistributedOptimizer.set_event_time``), a row
+            keeps the time of the last step that pushed it, and a table's clock is the latest time pushed.
         capacity: rows per shard; beyond it the least recently pushed are evicted (0: no limit).
         max_bytes: memory limit of the table per shard, bytes (0: the shard's ``--table-max-bytes``).
         dtype: the rows' weights on the shards and the wire: ``torch.float32``, or ``torch.float16`` (half the
@@ -91,7 +94,7 @@ class ShardedTable(nn.Module):
     def __init__(self, embedding_dim: int, num_embeddings: int | None = None, *, name: str | None = None,
                  padding_idx: int | None = None, seed: int = 0, init_scale: float | None = None, init=None,
                  min_count: int = 0, ttl_rounds: int = 0, capacity: int = 0, max_bytes: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, ttl_seconds: float = 0.0) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"dtype must be torch.float32 or torch.float16 (the shards' row types), got {dtype}")
@@ -106,6 +109,7 @@ class ShardedTable(nn.Module):
         self.embedding_dim, self.num_embeddings, self.name = embedding_dim, num_embeddings, name
         self.padding_idx, self.seed, self.init_scale = padding_idx, seed, init_scale
         self.min_count, self.ttl_rounds, self.capacity, self.max_bytes = min_count, ttl_rounds, capacity, max_bytes
+        self.ttl_seconds = ttl_seconds
         self.handle = nn.Parameter(torch.empty(0))
         _HANDLES[id(self.handle)] = self
         self.tables = None  # the DistributedOptimizer's SparseTables once attached (``attach``)
@@ -141,7 +145,8 @@ class ShardedTable(nn.Module):
                          padding_idx=-1 if self.padding_idx is None else self.padding_idx, seed=self.seed,
                          init_scale=self.init_scale, init=self.init, init_args=self.init_args,
                          min_count=self.min_count, ttl_rounds=self.ttl_rounds, capacity=self.capacity,
-                         max_bytes=self.max_bytes, dtype=str(self.dtype).removeprefix("torch."))
+                         max_bytes=self.max_bytes, dtype=str(self.dtype).removeprefix("torch."),
+                         ttl_seconds=self.ttl_seconds)
 
     def _not_readable(self) -> str:
         what = f"{type(self).__name__} {self.name!r}"
