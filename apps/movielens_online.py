@@ -16,6 +16,9 @@ in one sync step. The job prints and reports:
 - ``events_per_s``: streamed events over the stream's wall time;
 - ``latency_p50_s``/``latency_p99_s``: event-to-trained latency, from the event's entry into the broker
   (its Redis entry id's milliseconds) to the end of the step that trained it;
+- ``baseline``: the same model, optimizers, warm start and stream in one process with plain torch (no
+  shards, no broker, batches of ``--batch-size``): its frozen and progressive RMSE and gain;
+  ``gain_vs_baseline``: shardps' gain over the baseline's (issue goal: at least 0.8);
 - ``curve``: ``(event time, progressive RMSE so far, rows held)`` after each step (rows read from the
   shards' metrics every 20 steps), drawn to ``--plot`` (PNG); ``rows_held``, ``rows_held_max``.
 
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from shardps.apps.movielens import MF
 from shardps.worker import DistributedOptimizer
@@ -146,10 +150,77 @@ def run_online(config: OnlineConfig, say=print) -> dict:
         finally:
             if broker is not None:
                 broker.stop()
+    report["baseline"] = reference = baseline(config, warm, streamed)
+    report["gain_vs_baseline"] = report["gain"] / reference["gain"] if reference["gain"] > 0 else float("nan")
+    say(f"baseline (one process, no broker): progressive RMSE {reference['progressive_rmse']:.4f} (frozen "
+        f"{reference['frozen_rmse']:.4f}, gain {reference['gain']:.4f}); shardps recovers "
+        f"{report['gain_vs_baseline']:.2f}x its gain")
     if config.plot:
         _plot(report, config.plot)
         report["plot"] = config.plot
     return {**report, "config": asdict(config)}
+
+
+class LocalMF(nn.Module):
+    """The job's model in one process, the baseline: ``nn.Embedding(sparse=True)`` user and item tables of the
+    ids' range, rows uniform in [-init_scale, init_scale), biases 0 (``MF``'s settings, torch's own draws)."""
+
+    def __init__(self, dim: int, init_scale: float, mean: float, users: int, items: int) -> None:
+        super().__init__()
+        self.user, self.item = nn.Embedding(users, dim, sparse=True), nn.Embedding(items, dim, sparse=True)
+        self.user_bias, self.item_bias = nn.Embedding(users, 1, sparse=True), nn.Embedding(items, 1, sparse=True)
+        with torch.no_grad():
+            for table in (self.user, self.item):
+                table.weight.uniform_(-init_scale, init_scale)
+            for table in (self.user_bias, self.item_bias):
+                table.weight.zero_()
+        self.global_bias = nn.Parameter(torch.tensor(float(mean)))
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor):
+        p, q = self.user(users), self.item(items)
+        rating = (p * q).sum(1) + self.user_bias(users)[:, 0] + self.item_bias(items)[:, 0] + self.global_bias
+        return rating, p, q
+
+
+def baseline(config: OnlineConfig, warm, streamed) -> dict:
+    """One process, no shardps, no broker: the same warm start (model settings, optimizers, batches), then the
+    stream in batches of ``batch_size``, each scored before it is trained. ``{"frozen_rmse",
+    "progressive_rmse", "gain"}``."""
+    import warnings
+
+    users, items, ratings = _tensors(warm)
+    su, si, sr = _tensors(streamed)
+    model = LocalMF(config.dim, config.init_scale, float(ratings.mean()), int(max(users.max(), su.max())) + 1,
+                    int(max(items.max(), si.max())) + 1)
+    dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
+    sparse = torch.optim.Adagrad([{"params": [model.user.weight, model.item.weight]},
+                                  {"params": [model.user_bias.weight, model.item_bias.weight], "lr": config.bias_lr}],
+                                 lr=config.lr, eps=1e-10)
+
+    def step(u, i, r) -> None:
+        dense.zero_grad()
+        sparse.zero_grad()
+        predicted, _, _ = model(u, i)
+        (predicted - r).pow(2).mean().backward()
+        dense.step()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse invariant checks")
+            sparse.step()
+
+    generator = torch.Generator().manual_seed(config.seed)
+    for _ in range(config.warm_epochs):
+        for batch in torch.randperm(users.numel(), generator=generator).split(512):
+            step(users[batch], items[batch], ratings[batch])
+    with torch.no_grad():
+        frozen = float((model(su, si)[0].clamp(1.0, 5.0) - sr).pow(2).mean().sqrt())
+    errors = []
+    for k in range(0, su.numel(), config.batch_size):
+        u, i, r = su[k:k + config.batch_size], si[k:k + config.batch_size], sr[k:k + config.batch_size]
+        with torch.no_grad():
+            errors.append((model(u, i)[0].clamp(1.0, 5.0) - r).pow(2))
+        step(u, i, r)
+    progressive = math.sqrt(float(torch.cat(errors).mean()))
+    return {"frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive}
 
 
 def _rows_held(cluster) -> int:

@@ -115,4 +115,7 @@ def test_an_online_movielens_job_streams_through_redis_and_scores_before_trainin
     assert result["gain"] == pytest.approx(result["frozen_rmse"] - result["progressive_rmse"])
     assert 0 < result["latency_p50_s"] <= result["latency_p99_s"] < 60 and result["events_per_s"] > 0
     assert len(result["curve"]) == result["steps"] and plot.stat().st_size > 0
+    base = result["baseline"]  # the same stream trained in one process
+    assert base["gain"] == pytest.approx(base["frozen_rmse"] - base["progressive_rmse"]) and 0.5 < base["frozen_rmse"] < 1.5
+    assert result["gain_vs_baseline"] == pytest.approx(result["gain"] / base["gain"]) or base["gain"] <= 0
     assert "progressive RMSE" in done.stdout and "events/s" in done.stdout
