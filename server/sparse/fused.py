@@ -256,10 +256,11 @@ def commit_round(prepared: PreparedRound, round_: int, event_time: float = 0.0
         for name, t in u.state.items():
             slab.state[name].index_copy_(0, slots, t)
         slab.touched.index_fill_(0, slots, round_)
-        if slab.seen is not None and event_time > 0:
-            if slab.base is None:
-                slab.base = float(math.floor(event_time))
-            slab.seen.index_fill_(0, slots, int(event_time - slab.base))
+        if slab.seen is not None and event_time > 0:  # a row's time never goes back (late or skewed pushes)
+            times = slab.seen.index_select(0, slots)
+            if u.where is not None:
+                times.index_fill_(0, u.where, 0)  # new rows: their slot's old value is not theirs
+            slab.seen.index_copy_(0, slots, times.clamp_(min=math.ceil(event_time)))
     if not made:
         empty = torch.empty(0, dtype=torch.int64)
         return empty, empty, empty

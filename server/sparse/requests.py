@@ -24,6 +24,8 @@ __all__ = ["PushParts", "checked_ids", "staged_rows", "increasing"]
 #: The most parts one push may come in (``PushRowsRequest.parts``): at the default 64 MiB message limit, 128 GiB
 #: of one step's rows for one shard.
 MAX_PUSH_PARTS = 2048
+#: Event times a push may carry: seconds below 2**53 (exact in float64 and in the rows' int64 times).
+MAX_EVENT_TIME = float(2 ** 53)
 
 
 def checked_ids(parts: list[tuple], what: str, config) -> list[torch.Tensor]:
@@ -66,8 +68,8 @@ def staged_rows(request: pb.PushRowsRequest, tables: list, ids: list[torch.Tenso
         InvalidArgument: a learning rate not finite, >= 0 and within float32's range, a gradient of the
             wrong size, the padding id pushed, a repeated id, a gradient not finite (the message names the table).
     """
-    if not math.isfinite(request.event_time) or request.event_time < 0:
-        raise InvalidArgument(f"event_time must be finite and >= 0 (seconds), got {request.event_time}")
+    if not (0 <= request.event_time < MAX_EVENT_TIME):
+        raise InvalidArgument(f"event_time must be seconds in [0, 2**53), got {request.event_time}")
     for part, table, i in zip(request.tables, tables, ids):
         if table.spec.ttl_seconds and not request.event_time > 0:
             raise InvalidArgument(f"table {shown(part.table)} expires rows by event time (ttl_seconds): its pushes "
@@ -170,7 +172,8 @@ def _joined(parts: list[pb.PushRowsRequest]) -> pb.PushRowsRequest:
     for part in parts:
         for rows in part.tables:
             tables.setdefault(rows.table, []).append(rows)
-    whole = pb.PushRowsRequest(worker_id=parts[0].worker_id, session=parts[0].session, push=parts[0].push)
+    whole = pb.PushRowsRequest(worker_id=parts[0].worker_id, session=parts[0].session, push=parts[0].push,
+                               event_time=parts[0].event_time)
     for name, pieces in tables.items():
         if len({p.lr for p in pieces}) > 1:
             raise InvalidArgument(f"push {whole.push} carries table {shown(name)} with different learning rates in "

@@ -41,10 +41,9 @@ class RowSlab:
     def __init__(self, dim: int, widths: dict[str, int], dtype: torch.dtype = torch.float32,
                  event_times: bool = False) -> None:
         self.dim, self.widths, self.dtype = dim, dict(widths), dtype
-        #: int32 ``[capacity]``: each row's last event time, whole seconds after ``base`` (slabs of tables with
-        #: ``ttl_seconds`` only, else None); ``base``: the first event time written (None: none yet)
-        self.seen: torch.Tensor | None = torch.empty(0, dtype=torch.int32) if event_times else None
-        self.base: float | None = None
+        #: int64 ``[capacity]``: each row's latest event time, whole seconds rounded up (slabs of tables with
+        #: ``ttl_seconds`` only, else None)
+        self.seen: torch.Tensor | None = torch.empty(0, dtype=torch.int64) if event_times else None
         self.used = 0  # high-water mark of slots handed out
         self.free = torch.empty(0, dtype=torch.int64)
         self.weights = torch.empty(0, dim, dtype=dtype)
@@ -59,7 +58,7 @@ class RowSlab:
 
     def slot_bytes(self) -> int:
         """Bytes of one slot: weights, state and its last-pushed round."""
-        return self.dtype.itemsize * self.dim + 4 * sum(self.widths.values()) + 4 + (4 if self.seen is not None else 0)
+        return self.dtype.itemsize * self.dim + 4 * sum(self.widths.values()) + 4 + (8 if self.seen is not None else 0)
 
     def nbytes(self) -> int:
         """Bytes of the slots ever handed out (in use or freed for reuse). The capacity past them is allocated

@@ -21,6 +21,8 @@ its initial value again.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardps.common.rows import TableSpec, placement_salt, state_widths
@@ -92,7 +94,7 @@ class RowTable:
     # ------------------------------------------------------------ a round
     def row_cost(self) -> int:
         """Bytes one more row may cost at most: weights and state, its last-pushed round, its index entries."""
-        return self.spec.row_bytes() + 4 + 38
+        return self.spec.row_bytes() + 4 + (8 if self.slab.seen is not None else 0) + 38
 
     def check_room(self, new: int) -> None:
         """Refuse a round that would make ``new`` rows and take the table past ``max_bytes`` (nothing changed).
@@ -180,8 +182,8 @@ class RowTable:
             if bool(old.any()):
                 self._drop(ids[old], slots[old], "evicted_ttl")
                 ids, slots = ids[~old], slots[~old]
-        if s.ttl_seconds and ids.numel() and self.slab.base is not None:  # unseen for ttl_seconds of event time
-            old = self.slab.seen[slots].to(torch.float64) < self.clock - self.slab.base - s.ttl_seconds
+        if s.ttl_seconds and ids.numel() and self.clock > 0:  # unseen for ttl_seconds of event time
+            old = self.slab.seen[slots].to(torch.float64) < self.clock - s.ttl_seconds
             if bool(old.any()):
                 self._drop(ids[old], slots[old], "evicted_ttl")
                 ids, slots = ids[~old], slots[~old]
@@ -250,7 +252,7 @@ class RowTable:
             write("weights", self.weights[part])
             write("touched", self.touched[part].to(torch.int64))
             if self.slab.seen is not None:
-                write("seen", self.slab.seen[part].to(torch.int64) + int(self.slab.base or 0))
+                write("seen", self.slab.seen[part])
             for name in self.widths:
                 write(f"state.{name}", self.state[name][part])
         write("cand_ids", cand_ids)
@@ -280,11 +282,8 @@ class RowTable:
             self.state[k][slots] = tensors[f"state.{k}"]
         if self.slab.seen is not None:  # a checkpoint before event times were kept: the rows count as seen now
             seen = tensors.get("seen")
-            clock = float(numbers.get("clock", 0.0))
-            if self.slab.base is None and (clock or seen is not None and seen.numel()):
-                self.slab.base = float(int(seen.min())) if seen is not None and seen.numel() else float(int(clock))
-            base = int(self.slab.base or 0)
-            self.slab.seen[slots] = (seen - base).to(torch.int32) if seen is not None else int(clock) - base
+            self.slab.seen[slots] = seen.to(torch.int64) if seen is not None else \
+                math.ceil(float(numbers.get("clock", 0.0)))
         self.clock = float(numbers.get("clock", 0.0))
         cand_ids = tensors["cand_ids"]
         if cand_ids.numel():

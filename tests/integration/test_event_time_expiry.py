@@ -60,10 +60,13 @@ def test_rows_unseen_for_ttl_seconds_of_event_time_are_evicted(shards):
         initial = model["emb"].spec().initial_rows(torch.tensor([1]))
         with torch.no_grad():
             assert torch.equal(model["emb"](torch.tensor([1])), initial)  # an evicted id reads its initial row
+        step(model, dist, [9], 1_100.0)
+        step(model, dist, [9], 1_060.0)      # a late event: 9 keeps its latest time, 1,100
+        step(model, dist, [10], 1_140.0)     # 9 is 40 s old (it would be 80 had its time gone back)
+        assert held(dist) == [9, 10]
         dist.zero_grad()
         model["emb"](torch.tensor([6])).sum().backward()
-        dist.tables.event_time = 0.0  # a step that does not say its events' time is refused, nothing applied
-        with pytest.raises(Exception, match="expires rows by event time"):
+        with pytest.raises(Exception, match="expires rows by event time"):  # a step that did not say its time
             dist.step()
             dist.synchronize()
     finally:
@@ -109,6 +112,23 @@ def test_a_restarted_shard_keeps_its_rows_event_times(tmp_path):
             assert held(dist) == [3, 4]
         finally:
             dist.close()
+
+
+def test_a_push_in_parts_keeps_its_event_time(shards):
+    """A step whose rows pass half the message limit goes in several parts: each carries the time."""
+    shards.reset()
+    model = nn.ModuleDict({"emb": ShardedEmbedding(None, 512, name="emb", ttl_seconds=TTL)})
+    x = nn.Parameter(torch.zeros(1))
+    from shardps.worker import WireOptions
+    dist = DistributedOptimizer(torch.optim.SGD([x], lr=0.1), [("x", x)], servers=shards.servers, model=model,
+                                worker_id="w0", sparse_optimizer=torch.optim.SGD([model["emb"].handle], lr=0.5),
+                                wire=WireOptions(max_message_bytes=1 << 20, chunk_bytes=1 << 18))
+    try:
+        step(model, dist, list(range(600)), 3_000.0)  # 600 rows x 2 KiB: about 5 parts of 256 KiB for 2 shards
+        step(model, dist, [1_000], 3_060.0)
+        assert held(dist) == [1_000]  # the 600 rows kept time 3,000 and expired at 3,060
+    finally:
+        dist.close()
 
 
 def test_ttl_seconds_is_part_of_the_spec():

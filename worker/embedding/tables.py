@@ -346,6 +346,7 @@ class SparseTables:
                     entries[s].append((name, unique.index_select(0, idx), summed.index_select(0, idx), lr))
         requests = [push_parts(self.worker_id, self.session, self._push + 1, mine, self._max_message_bytes,
                                self.event_time) for mine in entries]
+        self.event_time = 0.0  # each step says its own (DistributedOptimizer.set_event_time)
         self._push += 1
         self._drop_ahead(before=self._push)
         self._sizes = [sum(r.ByteSize() for r in parts) for parts in requests]
