@@ -121,7 +121,10 @@ class ForkedShard:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it exited already: the forkserver reaped it before exitcode said so
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
