@@ -32,6 +32,11 @@ TIMEOUT_S = 240
 EXIT_NO_NAMESPACES = 77
 
 
+#: How far past its links' bound a row may measure (a fraction of the bound): the buckets' bursts and the hosts'
+#: own timing (seen: 1.007 in a clean-clone run, a round of 0.67 s at 1 Gbit/s finishing 5 ms early).
+SHAPING_SLACK = 1.02
+
+
 def namespaces() -> set[str]:
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     return {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
@@ -138,5 +143,8 @@ def test_cluster_exchange_benchmark(tmp_path: Path) -> None:
         assert row["chunk_bytes"] == 256 << 10
         assert row["seconds"] > 0 and row["bound_seconds"] > 0
         assert len(row["seconds_first_rounds"]) == 1 and len(row["seconds_rounds"]) == 1, row
-        # nothing moves faster than its links allow (headers alone keep it below)
-        assert 0 < row["fraction_of_bound"] < 1.0 and 0 < row["fraction_of_bound_first_round"] < 1.0, row
+        # nothing moves faster than its links allow, within SHAPING_SLACK: the token buckets let their burst
+        # (cluster_net.burst_bytes: 250 KB a link at 1 Gbit/s, and the fair classes' own) through at line rate, and
+        # each host times its own round. Unshaped, loopback would run several times past the bound.
+        assert 0 < row["fraction_of_bound"] < SHAPING_SLACK, row
+        assert 0 < row["fraction_of_bound_first_round"] < SHAPING_SLACK, row
