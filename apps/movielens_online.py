@@ -23,8 +23,10 @@ in one sync step. The job prints and reports:
   shards' metrics every 20 steps), drawn to ``--plot`` (PNG); ``rows_held``, ``rows_held_max``.
 
 ``--ttl-days D`` evicts user and item rows unseen for D days of event time (``ttl_seconds``; every step
-sends its batch's latest event time). Not built yet (docs/online.md): offsets saved with the shards'
-checkpoints (here a batch is acknowledged once its sync step is applied).
+sends its batch's latest event time). The stream is read by position (``RedisStreamReader``) through
+``ExactlyOnce``: every step tells the shards which events it trains, so each event is trained once on every
+shard even where a shard restarts from its checkpoint mid-stream (``replays`` in the report: times the
+stream was read again for a shard behind).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,8 +45,8 @@ from torch import nn
 
 from shardps.apps.movielens import MF
 from shardps.worker import DistributedOptimizer
-from shardps.worker.stream.events import minibatches
-from shardps.worker.stream.redis_source import RedisStreamSource, publish
+from shardps.worker.stream.exactly_once import ExactlyOnce
+from shardps.worker.stream.redis_source import RedisStreamReader, publish
 from shardps.worker.stream.replay import FileReplay
 
 COLUMNS = ["user", "item", "rating", "time"]
@@ -260,12 +263,13 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
         frozen = float(_squared_errors(model, su, si, sr).mean().sqrt())
         say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
             f"{len(streamed)} streamed ratings: {frozen:.4f}")
-        stream, failed = "shardps-movielens", []
+        stream, failed = f"shardps-movielens-{uuid.uuid4().hex[:12]}", []  # a broker given may hold older runs'
         producer = threading.Thread(target=_producer, args=(url, stream, streamed, config.rate, failed), daemon=True)
-        source = RedisStreamSource(url, stream, "trainers", "online-0")
+        source = RedisStreamReader(url, stream)
         producer.start()
         errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
-        for batch in minibatches(source, config.batch_size, config.max_wait):
+        reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)
+        for batch in reader.batches():  # each event trained once on every shard (stream offsets on the shards)
             u, i, r = _tensors(batch)
             errors.append(_squared_errors(model, u, i, r))  # scored before the model learns from them
             dist.zero_grad()
@@ -275,7 +279,6 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
             dist.step()
             trained = time.time()
             latencies.extend(trained - int(e.offset.split("-")[0]) / 1000 for e in batch)
-            source.commit(batch[-1].offset)
             done += len(batch)
             rows = _rows_held(cluster) if len(curve) % 20 == 0 else curve[-1][2]  # every 20 steps
             curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean())), rows))
@@ -286,14 +289,14 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
         source.close()
     finally:
         dist.close()
-    if done != len(streamed):
+    if done - reader.replayed != len(streamed):
         raise RuntimeError(f"trained {done} of {len(streamed)} streamed events")
     progressive = curve[-1][1]
     q = statistics.quantiles(latencies, n=100)
     dist_rows = _rows_held(cluster)
     report = {"events": done, "frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive,
               "rows_held": dist_rows, "rows_held_max": max(dist_rows, *(c[2] for c in curve)),
-              "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
+              "replays": reader.replays, "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
               "curve": curve}
     say(f"online: {done} events in {seconds:.1f} s ({report['events_per_s']:.0f} events/s), progressive RMSE "
         f"{progressive:.4f} (frozen {frozen:.4f}, gain {report['gain']:.4f}), event-to-trained latency p50 "

@@ -191,7 +191,7 @@ class StatsRequest(_message.Message):
     def __init__(self, digest: _Optional[bool] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan", "mode", "staleness_histogram", "clocks", "checkpoint_name", "checkpoint_sparse_round", "restored_checkpoint", "restored_sparse_round", "tables")
+    __slots__ = ("shard_index", "num_shards", "version", "members", "min_workers", "initialised", "plan_fingerprint", "optimizer", "num_chunks", "param_bytes", "optimizer_state_bytes", "push_bytes_total", "pull_bytes_total", "pushed", "job_id", "waiting", "max_workers", "digest", "rounds_skipped", "membership_epoch", "lease_expiries", "last_round_contributors", "checkpoint_version", "checkpoint_unix_seconds", "incarnation", "restored_version", "pushes_accepted", "contributions_applied", "pushes_dropped", "rejoining", "plan", "mode", "staleness_histogram", "clocks", "checkpoint_name", "checkpoint_sparse_round", "restored_checkpoint", "restored_sparse_round", "tables", "stream_positions")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class StatsReply(_message.Message):
     RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_SPARSE_ROUND_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -270,7 +271,8 @@ class StatsReply(_message.Message):
     restored_checkpoint: str
     restored_sparse_round: int
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ..., checkpoint_name: _Optional[str] = ..., checkpoint_sparse_round: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., restored_sparse_round: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    stream_positions: _containers.RepeatedCompositeFieldContainer[StreamPosition]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., min_workers: _Optional[int] = ..., initialised: _Optional[bool] = ..., plan_fingerprint: _Optional[str] = ..., optimizer: _Optional[str] = ..., num_chunks: _Optional[int] = ..., param_bytes: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., push_bytes_total: _Optional[int] = ..., pull_bytes_total: _Optional[int] = ..., pushed: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., waiting: _Optional[int] = ..., max_workers: _Optional[int] = ..., digest: _Optional[str] = ..., rounds_skipped: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., last_round_contributors: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_unix_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., restored_version: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., contributions_applied: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rejoining: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[PlanSpec, _Mapping]] = ..., mode: _Optional[_Union[ModeSpec, _Mapping]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ..., checkpoint_name: _Optional[str] = ..., checkpoint_sparse_round: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., restored_sparse_round: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., stream_positions: _Optional[_Iterable[_Union[StreamPosition, _Mapping]]] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
     __slots__ = ("min_version",)
@@ -340,21 +342,43 @@ class RoundHeader(_message.Message):
     options: RoundTrailer
     def __init__(self, worker_id: _Optional[str] = ..., round: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., pull_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[str] = ..., scaled: _Optional[bool] = ..., check_only: _Optional[bool] = ..., streamed: _Optional[bool] = ..., options: _Optional[_Union[RoundTrailer, _Mapping]] = ...) -> None: ...
 
+class StreamSpan(_message.Message):
+    __slots__ = ("partition", "after", "last")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    partition: str
+    after: int
+    last: int
+    def __init__(self, partition: _Optional[str] = ..., after: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
+
+class StreamPosition(_message.Message):
+    __slots__ = ("partition", "dense", "rows")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    partition: str
+    dense: int
+    rows: int
+    def __init__(self, partition: _Optional[str] = ..., dense: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
 class RoundTrailer(_message.Message):
-    __slots__ = ("lrs", "group_hyperparams_json", "absent_keys", "inv_scale", "max_grad_norm", "norm_type")
+    __slots__ = ("lrs", "group_hyperparams_json", "absent_keys", "inv_scale", "max_grad_norm", "norm_type", "span")
     LRS_FIELD_NUMBER: _ClassVar[int]
     GROUP_HYPERPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     ABSENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     INV_SCALE_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
     lrs: _containers.RepeatedScalarFieldContainer[float]
     group_hyperparams_json: _containers.RepeatedScalarFieldContainer[str]
     absent_keys: _containers.RepeatedScalarFieldContainer[int]
     inv_scale: float
     max_grad_norm: float
     norm_type: float
-    def __init__(self, lrs: _Optional[_Iterable[float]] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ..., absent_keys: _Optional[_Iterable[int]] = ..., inv_scale: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., norm_type: _Optional[float] = ...) -> None: ...
+    span: StreamSpan
+    def __init__(self, lrs: _Optional[_Iterable[float]] = ..., group_hyperparams_json: _Optional[_Iterable[str]] = ..., absent_keys: _Optional[_Iterable[int]] = ..., inv_scale: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., norm_type: _Optional[float] = ..., span: _Optional[_Union[StreamSpan, _Mapping]] = ...) -> None: ...
 
 class RoundReport(_message.Message):
     __slots__ = ("round", "norm_part", "found_inf")
@@ -544,7 +568,7 @@ class TableRows(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "push", "tables", "part", "parts", "event_time")
+    __slots__ = ("worker_id", "session", "push", "tables", "part", "parts", "event_time", "span")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +576,7 @@ class PushRowsRequest(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session: str
     push: int
@@ -559,7 +584,8 @@ class PushRowsRequest(_message.Message):
     part: int
     parts: int
     event_time: float
-    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., event_time: _Optional[float] = ...) -> None: ...
+    span: StreamSpan
+    def __init__(self, worker_id: _Optional[str] = ..., session: _Optional[str] = ..., push: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., event_time: _Optional[float] = ..., span: _Optional[_Union[StreamSpan, _Mapping]] = ...) -> None: ...
 
 class PushRowsReply(_message.Message):
     __slots__ = ("round",)

@@ -87,6 +87,7 @@ def stats_reply(store, digest: str = "", with_plan: bool = False) -> pb.StatsRep
         contributions_applied=rounds.contributions_applied,
         pushes_dropped=rounds.pushes_dropped,
         rejoining=sorted(rounds.rejoining),
+        stream_positions=rounds.positions.positions(),
         plan=pb.PlanSpec.FromString(job.plan_bytes) if with_plan and job is not None else None,
         mode=job.mode.to_proto() if job is not None and job.mode is not None else None,
         staleness_histogram=rounds.staleness.counts,
@@ -101,4 +102,6 @@ def metric_values(store) -> dict[str, float]:
     return {"received_bytes": store.push_bytes, "sent_bytes": store.pull_bytes, "joins": members.joins,
             "leaves": members.leaves, "lease_expiries": members.expiries, "version": store.rounds.version,
             "live_workers": len(members), "min_workers": store.config.min_workers,
-            "last_checkpoint_timestamp_seconds": store.checkpoints.latest[1]}
+            "last_checkpoint_timestamp_seconds": store.checkpoints.latest[1],
+            "stream_batches_held": store.rounds.positions.skipped["held"],
+            "stream_batches_owed": store.rounds.positions.skipped["gap"]}

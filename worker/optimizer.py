@@ -48,6 +48,7 @@ from shardps.worker.session.exit import DaemonPool, close_at_exit
 from shardps.worker.session.waits import WaitWatcher
 from shardps.worker.metrics import WorkerMetrics
 from shardps.worker.pipeline.streams import GradientEditedError, ParameterSink, Round
+from shardps.worker.pipeline.marks import StreamMarks
 from shardps.worker.pipeline.steps import RoundSteps
 from shardps.worker.embedding.modules import is_table_handle
 from shardps.worker.embedding.specs import check_sparse_options
@@ -64,7 +65,7 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class DistributedOptimizer(RoundSteps, JobView):
+class DistributedOptimizer(StreamMarks, RoundSteps, JobView):
     """Run ``optimizer``'s updates on the shards (sync, async or ssp), with torch.optim's semantics.
 
     The common case is one line::
@@ -449,19 +450,6 @@ class DistributedOptimizer(RoundSteps, JobView):
             raise RuntimeError("this DistributedOptimizer is closed")
         optimizer_state.load(self._clients, self._pool, self._header(), self.plan, self._optimizer, self._params,
                              state_dict)
-
-    def set_event_time(self, seconds: float) -> None:
-        """The event time of this step's batch (seconds; the latest of its events), sent with the step's push of
-        table rows: tables with ``ttl_seconds`` need it at every step (their rows expire by event time).
-
-        Raises:
-            ValueError: not finite, or < 0. RuntimeError: no sparse tables.
-        """
-        if self._tables is None:
-            raise RuntimeError("set_event_time: this DistributedOptimizer has no sparse tables")
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(f"event time must be finite and >= 0 seconds, got {seconds}")
-        self._tables.event_time = float(seconds)
 
     @property
     def tables(self) -> SparseTables | None:

@@ -65,6 +65,7 @@ from shardps.server.dense.bounds import average_bound
 from shardps.server.dense.optimizer import RoundRefused, ShardOptimizer, average_
 from shardps.server.consistency.commits import CommitExchange
 from shardps.server.consistency.streamed import StreamedRounds
+from shardps.server.stream_positions import StreamPositions, check_span, span_of
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class Rounds(CommitExchange):
         self.state_bytes = 0
         self.mode = Mode()
         self.staleness = StalenessHistogram()
+        self.positions = StreamPositions()  # the stream offsets held (the store shares it with its tables)
         self.snapshot_version = 0
         self.table: ChunkTable | None = None
         self.optimizer: ShardOptimizer | None = None
@@ -184,6 +186,7 @@ class Rounds(CommitExchange):
         self.pushes_accepted = self.contributions_applied = self.pushes_dropped = self.snapshot_version = 0
         self.rejoining = set()
         self.staleness.reset()
+        self.positions.reset()
 
     def waiting_for(self) -> list[str]:
         """Members whose push of the open round has not been accepted, then checkpoint members not back yet."""
@@ -328,6 +331,8 @@ class Rounds(CommitExchange):
                                      reject_nonfinite=self.config.reject_nonfinite and not header.scaled)
             trailer = await rx.read_push(frames)
             hyperparams = checks.check_trailer(trailer, len(self._hyperparam_names), self._hyperparam_names)
+            if trailer.HasField("span"):
+                check_span(trailer.span, what)
             if (trailer.inv_scale or trailer.max_grad_norm) and not can_commit:
                 raise InvalidArgument(f"{what}: a round that clips or scales needs PushPull (it exchanges a report "
                                       "and a commit)")
@@ -402,6 +407,11 @@ class Rounds(CommitExchange):
         staleness = self.version - closed.number
         try:
             self._check_agreement(closed, pushes, workers)
+            spans = [span_of(p.trailer) for p in pushes]
+            try:  # a stream batch this shard holds already, or that leaves a gap, is skipped (stream_positions.py)
+                due = self.positions.verdict("dense", spans, f"round {closed.number}", self.config.shard_index)
+            except InvalidArgument as exc:
+                raise RoundRefused(str(exc)) from None
             lead = closed.lead.trailer
             lrs = list(lead.lrs)
             if self.mode.scale_lr and staleness > 1:
@@ -426,6 +436,7 @@ class Rounds(CommitExchange):
                 self._notify()  # the members' PushPull calls send the report
                 commit = await self._commits(closed)
                 skip, clip_coef = commit.skip, commit.clip_coef or 1.0
+            skip = skip or not due
 
             def step() -> None:
                 before = None
@@ -464,6 +475,8 @@ class Rounds(CommitExchange):
             ))
             raise
         else:
+            if due:
+                self.positions.advance("dense", spans)
             self.round_completed(closed.number, closed.members, staleness, update_seconds, skip)
         finally:
             for grads, arena in zip(closed.grads, closed.arenas):

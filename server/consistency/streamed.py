@@ -158,7 +158,7 @@ class StreamedRounds:
             current = self.current
         options = header.options
         hyperparams = checks.check_trailer(options, len(rounds.hyperparam_names), rounds.hyperparam_names)
-        if options.inv_scale or options.max_grad_norm or options.absent_keys:
+        if options.inv_scale or options.max_grad_norm or options.absent_keys or options.HasField("span"):
             raise InvalidArgument(f"{what}: the header's options carry learning rates and hyperparameters only")
         if current is None:
             current = self.current = StreamedRound(rnd_no, len(rounds.table.chunks))
@@ -196,8 +196,8 @@ class StreamedRounds:
             if list(trailer.lrs) != list(options.lrs) or trailer.group_hyperparams_json:
                 raise InvalidArgument(f"{what}: the learning rates or hyperparameters changed after the round's "
                                       "first gradient was pushed: set them before backward(), or push unstreamed")
-            if trailer.inv_scale or trailer.max_grad_norm:
-                raise InvalidArgument(f"{what}: a round that clips or scales cannot be streamed")
+            if trailer.inv_scale or trailer.max_grad_norm or trailer.HasField("span"):
+                raise InvalidArgument(f"{what}: a round that clips, scales or trains a stream batch cannot be streamed")
             rx.finish(trailer.absent_keys)
             for i in rx.absent_chunks(trailer.absent_keys):
                 rnd.pushed[i].add(w)

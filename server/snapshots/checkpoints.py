@@ -131,6 +131,7 @@ class Checkpoints:
             try:
                 await store.restore_job(snap)
                 store.tables.restore(snap.tensors, snap.sparse)
+                store.rounds.positions.load(snap.sparse.get("stream", {}))  # the stream offsets its state holds
             except (ValueError, KeyError, StateError) as exc:
                 raise RuntimeError(f"checkpoint {snap.name.manifest} (version {snap.version}) in {self.directory}: "
                                    f"{exc}") from None
@@ -209,7 +210,7 @@ class Checkpoints:
             initialised_by=job.initialised_by, plan=job.plan_bytes, spec=job.spec.SerializeToString(),
             static_digest=job.static_digest, hyperparams=rounds.optimizer.hyperparams(), tensors={},
             shard_index=store.config.shard_index, num_shards=store.config.num_shards,
-            members=store.members.ids(), sparse=entry)
+            members=store.members.ids(), sparse={**entry, "stream": rounds.positions.state()})
         return snap, layout, write_rows
 
     def _numbers(self) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from shardps.common.codec import finite
 from shardps.common.rows import FLOAT32_MAX, check_ids, ids_from, lr_problem, shard_of_salted
 from shardps.server.checks import shown
 from shardps.server.errors import Aborted, InvalidArgument
+from shardps.server.stream_positions import check_span
 
 __all__ = ["PushParts", "checked_ids", "staged_rows", "increasing"]
 
@@ -70,6 +71,8 @@ def staged_rows(request: pb.PushRowsRequest, tables: list, ids: list[torch.Tenso
     """
     if not (0 <= request.event_time < MAX_EVENT_TIME):
         raise InvalidArgument(f"event_time must be seconds in [0, 2**53), got {request.event_time}")
+    if request.HasField("span"):
+        check_span(request.span, "the push")
     for part, table, i in zip(request.tables, tables, ids):
         if table.spec.ttl_seconds and not request.event_time > 0:
             raise InvalidArgument(f"table {shown(part.table)} expires rows by event time (ttl_seconds): its pushes "
@@ -174,6 +177,8 @@ def _joined(parts: list[pb.PushRowsRequest]) -> pb.PushRowsRequest:
             tables.setdefault(rows.table, []).append(rows)
     whole = pb.PushRowsRequest(worker_id=parts[0].worker_id, session=parts[0].session, push=parts[0].push,
                                event_time=parts[0].event_time)
+    if parts[0].HasField("span"):
+        whole.span.CopyFrom(parts[0].span)
     for name, pieces in tables.items():
         if len({p.lr for p in pieces}) > 1:
             raise InvalidArgument(f"push {whole.push} carries table {shown(name)} with different learning rates in "

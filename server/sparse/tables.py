@@ -52,6 +52,7 @@ from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.requests import PushParts, checked_ids, staged_rows
 from shardps.server.sparse.slab import RowSlab
 from shardps.server.sparse.table import COUNTERS, RowTable
+from shardps.server.stream_positions import span_of
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class _Push:
     tables: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # table -> (ids, grads, lr)
     worker: str = ""
     event_time: float = 0.0  # the push's events' time, seconds (0: none)
+    span: pb.StreamSpan | None = None  # the stream batch it trains (stream_positions.py)
 
 
 class SparseTables:
@@ -204,7 +206,8 @@ class SparseTables:
         checked = checked_ids([(t, part.ids) for t, part in zip(named, request.tables)], "the push", self.store.config)
         tables = staged_rows(request, named, checked)
         self.members[request.worker_id] = request.push
-        self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id, request.event_time)
+        self.staged[request.worker_id] = _Push(request.push, tables, request.worker_id, request.event_time,
+                                               span_of(request))
         self.maybe_apply()
         return pb.PushRowsReply(round=self.round)
 
@@ -234,9 +237,12 @@ class SparseTables:
         # async rows: the oldest staged push alone, its gradient whole (the average of one push)
         workers = [next(iter(self.staged))] if self.rows_mode == "async" else sorted(self.staged)
         pushes = [self.staged[w] for w in workers]
-        number = self.round
-        try:
-            await self.store.run(self._update, pushes, number, priority=SPARSE)
+        number, spans, positions = self.round, [p.span for p in pushes], self.store.rounds.positions
+        due = False
+        try:  # a stream batch these rows hold already, or that leaves a gap, is skipped (stream_positions.py)
+            due = positions.verdict("rows", spans, f"sparse round {number}", self.store.config.shard_index)
+            if due:
+                await self.store.run(self._update, pushes, number, priority=SPARSE)
         except ShardError as exc:  # nothing of the round was applied (limits, lrs, a step that failed or overflowed)
             log.warning("shard %d: sparse round %d refused: %s", self.store.config.shard_index, number, exc)
             for w in workers:
@@ -247,6 +253,8 @@ class SparseTables:
                 self.failed[w] = ShardError(f"sparse round {number} failed on shard {self.store.config.shard_index} "
                                             f"({type(exc).__name__}: {exc}); see its log")
         else:
+            if due:
+                positions.advance("rows", spans)
             self.round += 1
         finally:
             for w, p in zip(workers, pushes):

@@ -49,7 +49,7 @@ MAX_PUSH_PARTS = 2048
 
 
 def push_parts(worker_id: str, session: str, number: int, entries: list[tuple], max_message_bytes: int,
-               event_time: float = 0.0) -> list[pb.PushRowsRequest]:
+               event_time: float = 0.0, span: pb.StreamSpan | None = None) -> list[pb.PushRowsRequest]:
     """Push ``number`` of ``entries`` (``[(table, ids int64 [n], gradients float32 [n, dim], lr)]``, ids
     increasing) to one shard: one request, or where its rows pass half of ``max_message_bytes``, parts of at
     most that much (``parts``/``part``; a table's rows split between parts in id order), as pulls are split.
@@ -59,7 +59,8 @@ def push_parts(worker_id: str, session: str, number: int, entries: list[tuple], 
             :data:`MAX_PUSH_PARTS` parts would be needed.
     """
     budget = max_message_bytes // 2
-    parts = [pb.PushRowsRequest(worker_id=worker_id, session=session, push=number, event_time=event_time)]
+    parts = [pb.PushRowsRequest(worker_id=worker_id, session=session, push=number, event_time=event_time,
+                                span=span)]
     room = budget
     for name, ids, grads, lr in entries:
         per_row, head = 8 + 4 * grads.shape[1], len(name.encode()) + 64
@@ -72,7 +73,7 @@ def push_parts(worker_id: str, session: str, number: int, entries: list[tuple], 
             fit = (room - head) // per_row
             if fit <= 0 and start < n:
                 parts.append(pb.PushRowsRequest(worker_id=worker_id, session=session, push=number,
-                                                event_time=event_time))
+                                                event_time=event_time, span=span))
                 room = budget
                 continue
             end = min(n, start + max(fit, 0))
@@ -133,6 +134,7 @@ class SparseTables:
         self._clients, self.worker_id, self.session, self._rejoin = clients, worker_id, session, rejoin
         self.rows_mode = rows_mode  # the job's sparse rounds: sync or async (ConsistencyOptions.tables)
         self.event_time = 0.0  # the time of the step's events, seconds, sent with its push (0: none)
+        self.span: pb.StreamSpan | None = None  # the stream batch of the step's events, sent with its push
         self._max_message_bytes = max_message_bytes
         self._optimizer = optimizer
         self.tables = table_specs(optimizer, model)
@@ -345,8 +347,8 @@ class SparseTables:
                 else:
                     entries[s].append((name, unique.index_select(0, idx), summed.index_select(0, idx), lr))
         requests = [push_parts(self.worker_id, self.session, self._push + 1, mine, self._max_message_bytes,
-                               self.event_time) for mine in entries]
-        self.event_time = 0.0  # each step says its own (DistributedOptimizer.set_event_time)
+                               self.event_time, self.span) for mine in entries]
+        self.event_time, self.span = 0.0, None  # each step says its own (set_event_time, set_stream_span)
         self._push += 1
         self._drop_ahead(before=self._push)
         self._sizes = [sum(r.ByteSize() for r in parts) for parts in requests]

@@ -34,6 +34,9 @@ from shardps.worker.pipeline.streams import GradientEditedError, Round, init_req
 
 class RoundSteps:
     """Opening, filling and finishing the rounds of a ``DistributedOptimizer`` (see the module docstring)."""
+
+    #: the stream batch the next round trains (``DistributedOptimizer.set_stream_span``), sent in its trailer
+    _span: pb.StreamSpan | None = None
     # ------------------------------------------------------------ joining
     def _header(self, round_: int = 0) -> pb.RoundHeader:
         return pb.RoundHeader(worker_id=self.worker_id, session=self.session, round=round_,
@@ -65,7 +68,9 @@ class RoundSteps:
             if self.mode.mode not in ("", "sync"):  # async/ssp: one shard after another (staggered_order)
                 order = staggered_order(self._member_number, len(self._clients))
                 rnd.after = dict(zip(order[1:], order[:-1]))
-            if self._streamed and decide is None:  # the shards apply each chunk as it completes (streamed.py)
+            # the shards apply each chunk as it completes (streamed.py); a round that trains a stream batch is
+            # applied or skipped whole (set_stream_span), so it is not streamed
+            if self._streamed and decide is None and self._span is None:
                 rnd.options = pb.RoundTrailer(lrs=self._round_lrs(), group_hyperparams_json=self._hyperparams.changed())
                 rnd.credit = push_credit_chunks(self._wire, self._push_dtype.itemsize)
             for shard, client in enumerate(self._clients):
@@ -120,8 +125,9 @@ class RoundSteps:
     def _trailer(self, lrs: list[float], absent: list[int]) -> pb.RoundTrailer:
         """The trailer closing a round: ``lrs``, the hyperparameters changed since the last round, the absent keys
         (indices into the plan's keys) and the clipping / loss-scale fields."""
+        span, self._span = self._span, None  # each step says its own
         return pb.RoundTrailer(lrs=lrs, group_hyperparams_json=self._hyperparams.changed(), absent_keys=absent,
-                               **self._pushed_options.trailer_fields())
+                               span=span, **self._pushed_options.trailer_fields())
 
     def _start_pull(self, grads: dict[str, torch.Tensor | None] | None = None) -> None:
         """Close this round's pushes (trailer included) and start reading every shard's answer in the background.

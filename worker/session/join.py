@@ -186,7 +186,8 @@ def join_job(
             wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if not errors:
-            return Joined([f.result() for f in futures], min(r.lease_seconds or 10.0 for r in replies),
+            # a shard that holds no dense chunks (fewer parameters than shards) sends none to read a version from
+            return Joined([max(f.result(), r.version) for f, r in zip(futures, replies)], min(r.lease_seconds or 10.0 for r in replies),
                           [r.incarnation for r in replies], first.job.job_id, initialised=bool(told),
                           member_number=first.members)
         # the cause, not a pull this function cancelled because of it
@@ -231,4 +232,5 @@ def rejoin_shard(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job
     client = clients[shard]
     version = retry(lambda: pull(shard, []), client.retry, f"pull from shard {shard} ({client.address})",
                     lambda exc: getattr(exc, "code", None))
-    return version, reply.incarnation
+    # a shard that holds no dense chunks (fewer parameters than shards) sends none to read a version from
+    return max(version, reply.version), reply.incarnation

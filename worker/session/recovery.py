@@ -80,6 +80,7 @@ class Recovery:
         self.clients, self.join, self.job_id, self.incarnations = list(clients), join, job_id, list(incarnations)
         self.pull = pull
         self.restarted: set[int] = set()
+        self.rejoins = 0  # shards joined again (a stream trainer checks what the shards hold after one)
 
     def is_restarted(self, shard: int, timeout: float | None = None, retried: bool = True) -> bool:
         """Whether shard ``shard`` is another process than the one joined (its Stats' incarnation differs).
@@ -100,6 +101,7 @@ class Recovery:
         restarted = incarnation != self.incarnations[shard]
         self.incarnations[shard] = incarnation
         self.restarted.discard(shard)
+        self.rejoins += 1
         log.warning("worker %s rejoined shard %d (%s) after %s: %s; its partition goes on from version %d",
                     self.join.worker_id, shard, self.clients[shard].address, why,
                     "the shard restarted (rounds since its checkpoint are lost)" if restarted else "same process",

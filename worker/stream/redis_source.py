@@ -22,8 +22,9 @@ import time
 from collections.abc import Iterable, Mapping
 
 from shardps.worker.stream.events import Event
+from shardps.worker.stream.exactly_once import redis_id, redis_offset
 
-__all__ = ["END_FIELD", "BrokerUnavailable", "RedisStreamSource", "publish"]
+__all__ = ["END_FIELD", "BrokerUnavailable", "RedisStreamReader", "RedisStreamSource", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +122,16 @@ class RedisStreamSource:
             if END_FIELD in fields:
                 self._ended = True
                 break
-            try:
-                t = float(fields.pop(self.time_field))
-            except (KeyError, ValueError):
-                raise ValueError(f"stream {self.stream!r} entry {entry_id}: no numeric {self.time_field!r} "
-                                 "field (the event time)") from None
-            out.append(Event(entry_id, t, fields))
+            out.append(self._event(entry_id, fields))
         return out
+
+    def _event(self, entry_id: str, fields: dict) -> Event:
+        try:
+            t = float(fields.pop(self.time_field))
+        except (KeyError, ValueError):
+            raise ValueError(f"stream {self.stream!r} entry {entry_id}: no numeric {self.time_field!r} "
+                             "field (the event time)") from None
+        return Event(entry_id, t, fields)
 
     def commit(self, offset: str) -> None:
         """Acknowledge every entry handed out up to and including ``offset``. Raises BrokerUnavailable."""
@@ -144,6 +148,61 @@ class RedisStreamSource:
 
     def close(self) -> None:
         self._client.close()
+
+
+class RedisStreamReader(RedisStreamSource):
+    """Events of Redis stream ``stream`` read by position (``XREAD``, no consumer group): the source of
+    exactly-once training (``shardps.worker.stream.exactly_once``), where the shards hold the offsets trained
+    and the trainer seeks to them, as a Kafka consumer that stores its offsets with its state does. One reader
+    reads a stream; ``commit`` is not needed (the shards' checkpoints hold the position).
+
+    Args:
+        url, stream, time_field, retry_seconds: as :class:`RedisStreamSource`.
+
+    Raises:
+        BrokerUnavailable: the broker cannot be reached now, for ``retry_seconds``.
+    """
+
+    def __init__(self, url: str, stream: str, *, time_field: str = "time", retry_seconds: float = 30.0) -> None:
+        self.url, self.stream, self.partition = url, stream, stream
+        self.time_field, self.retry_seconds = time_field, retry_seconds
+        self.reconnects = 0
+        self._client = _redis().Redis.from_url(url, decode_responses=True, socket_timeout=10,
+                                               socket_connect_timeout=5)
+        self._after = "0-0"  # the id of the last entry read
+        self._ended = False
+        self._retrying(self._client.ping)
+
+    def position(self, event: Event) -> int:
+        """``event``'s offset: its entry id as ``ms << 20 | seq`` (``exactly_once.redis_offset``)."""
+        return redis_offset(event.offset)
+
+    def seek(self, after: int | None) -> None:
+        """Read next the entries after offset ``after`` (None: from the stream's first)."""
+        self._after, self._ended = "0-0" if after is None else redis_id(after), False
+
+    def read(self, max_events: int, timeout: float) -> list[Event]:
+        """Up to ``max_events`` entries after the last one read, waiting at most ``timeout`` seconds for the
+        first. Raises BrokerUnavailable; ValueError: an entry without a numeric ``time_field``."""
+        if self._ended or max_events < 1:
+            return []
+        reply = self._retrying(lambda: self._client.xread({self.stream: self._after}, count=max_events,
+                                                          block=max(1, int(timeout * 1000))))
+        entries = reply[0][1] if reply else []
+        out = []
+        for entry_id, fields in entries:
+            self._after = entry_id
+            if END_FIELD in fields:
+                self._ended = True
+                break
+            out.append(self._event(entry_id, fields))
+        return out
+
+    def commit(self, offset: str) -> None:
+        """Nothing to tell the broker: the shards' checkpoints hold what was trained."""
+
+    def pending(self) -> int:
+        return 0
 
 
 def publish(url: str, stream: str, records: Iterable[Mapping[str, object]], *, end: bool = False,

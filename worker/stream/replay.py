@@ -28,6 +28,7 @@ class FileReplay:
         start_after: the committed offset to resume after (None: from the first record).
         speedup: None: hand records out as fast as they are read; a factor: pace them at ``speedup`` times
             the event clock (1.0: as they happened), for a live-like replay.
+        partition: the replay's name as a stream partition (exactly-once training); default the file's name.
 
     Raises:
         FileNotFoundError: no such file. ValueError (from :meth:`read`): a line without as many columns,
@@ -35,12 +36,14 @@ class FileReplay:
     """
 
     def __init__(self, path: str | Path, columns: list[str], time_column: str, *, delimiter: str | None = "\t",
-                 sort: bool = False, start_after: str | None = None, speedup: float | None = None) -> None:
+                 sort: bool = False, start_after: str | None = None, speedup: float | None = None,
+                 partition: str | None = None) -> None:
         if time_column not in columns:
             raise ValueError(f"time_column {time_column!r} is not one of the columns {columns}")
         if speedup is not None and not speedup > 0:
             raise ValueError(f"speedup must be > 0 or None, got {speedup}")
         self.path, self.columns, self.time_column = Path(path), list(columns), time_column
+        self.partition = partition or self.path.name  # its name for exactly-once training (exactly_once.py)
         self.delimiter, self.speedup = delimiter, speedup
         self._file = open(self.path, encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._line = 0  # lines read from the file
@@ -52,8 +55,10 @@ class FileReplay:
             self._sorted = sorted(((t, k, f) for k, (t, f) in enumerate(records)), key=lambda r: (r[0], r[1]))
         self._ended = False
         self._clock: tuple[float, float] | None = None  # (first event time, monotonic then) when paced
-        skip = -1 if start_after is None else int(start_after)
-        while self._number <= skip and self._next() is not None:
+        self._skip_to(-1 if start_after is None else int(start_after))
+
+    def _skip_to(self, after: int) -> None:
+        while self._number <= after and self._next() is not None:
             pass
 
     @property
@@ -124,6 +129,18 @@ class FileReplay:
         if self._held is None:
             self._held = self._next()
         return self._held
+
+    def position(self, event: Event) -> int:
+        """``event``'s offset as an int (its record number), for exactly-once training."""
+        return int(event.offset)
+
+    def seek(self, after: int | None) -> None:
+        """Read next the records after offset ``after`` (None: from the first), pacing anew."""
+        if self._sorted is None:
+            self._file.seek(0)
+            self._line, self._last = 0, float("-inf")
+        self._number, self._held, self._ended, self._clock = 0, None, False, None
+        self._skip_to(-1 if after is None else after)
 
     def commit(self, offset: str) -> None:
         """Nothing to tell a file: the caller keeps the committed offset and passes it as ``start_after``."""
