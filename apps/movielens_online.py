@@ -96,12 +96,13 @@ class OnlineConfig:
             raise ValueError("--rate and --max-wait must be > 0, --limit and --ttl-days >= 0")
 
 
-def _tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(users int64 [n], items int64 [n], ratings float32 [n])`` of MovieLens rating events."""
     return (torch.tensor([int(e.fields["user"]) for e in events]), torch.tensor([int(e.fields["item"]) for e in events]),
             torch.tensor([float(e.fields["rating"]) for e in events]))
 
 
-def _squared_errors(model: MF, users, items, ratings) -> torch.Tensor:
+def squared_errors(model: MF, users, items, ratings) -> torch.Tensor:
     """Squared errors of the model's clipped predictions, in eval mode (no row is created, nothing pushed)."""
     model.eval()
     with torch.no_grad():
@@ -191,8 +192,8 @@ def baseline(config: OnlineConfig, warm, streamed) -> dict:
     "progressive_rmse", "gain"}``."""
     import warnings
 
-    users, items, ratings = _tensors(warm)
-    su, si, sr = _tensors(streamed)
+    users, items, ratings = rating_tensors(warm)
+    su, si, sr = rating_tensors(streamed)
     model = LocalMF(config.dim, config.init_scale, float(ratings.mean()), int(max(users.max(), su.max())) + 1,
                     int(max(items.max(), si.max())) + 1)
     dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
@@ -242,7 +243,7 @@ def _rows_held(cluster) -> int:
 
 def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict:
     servers = cluster.servers
-    users, items, ratings = _tensors(warm)
+    users, items, ratings = rating_tensors(warm)
     model = MF(config.dim, config.init_scale, float(ratings.mean()), config.ttl_days * 86400.0)
     dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
     sparse = torch.optim.Adagrad([{"params": [model.user.handle, model.item.handle]},
@@ -259,8 +260,8 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
                 (predicted - ratings[batch]).pow(2).mean().backward()
                 dist.set_event_time(warm[-1].time)  # the warm start is the model as of its last rating
                 dist.step()
-        su, si, sr = _tensors(streamed)
-        frozen = float(_squared_errors(model, su, si, sr).mean().sqrt())
+        su, si, sr = rating_tensors(streamed)
+        frozen = float(squared_errors(model, su, si, sr).mean().sqrt())
         say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
             f"{len(streamed)} streamed ratings: {frozen:.4f}")
         stream, failed = f"shardps-movielens-{uuid.uuid4().hex[:12]}", []  # a broker given may hold older runs'
@@ -270,8 +271,8 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
         errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
         reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)
         for batch in reader.batches():  # each event trained once on every shard (stream offsets on the shards)
-            u, i, r = _tensors(batch)
-            errors.append(_squared_errors(model, u, i, r))  # scored before the model learns from them
+            u, i, r = rating_tensors(batch)
+            errors.append(squared_errors(model, u, i, r))  # scored before the model learns from them
             dist.zero_grad()
             predicted, _, _ = model(u, i)
             (predicted - r).pow(2).mean().backward()
