@@ -11,7 +11,8 @@ dense). The batches repeat ids within a batch and carry ids only one
 worker sees. Every row of every table must match within 1e-6. The same
 holds with the two bags looked up through a ``ShardedEmbeddingBagCollection``
 (several tables in one pull per shard), and with that collection prefetching
-the next step's rows while each step computes.
+the next step's rows while each step computes, each on both kernel paths
+(FBGEMM's fused pooled lookup, and torch per bag: ``SHARDPS_TABLE_KERNELS``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from shardps.common.rows import initial_rows
+from shardps.worker.embedding.fused import KERNELS_ENV
 from shardps.worker import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
 N, DIM, STEPS, WORKERS = 50, 4, 20, 2
@@ -151,9 +153,12 @@ def shards():
         yield cluster
 
 
-@pytest.mark.parametrize("kind,collection", [("sgd", ""), ("adagrad", ""), ("sparse_adam", ""),
-                                             ("adagrad", "collection"), ("sparse_adam", "prefetch")])
-def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind, collection):
+@pytest.mark.parametrize("kind,collection,kernels", [
+    ("sgd", "", "auto"), ("adagrad", "", "auto"), ("sparse_adam", "", "auto"),
+    ("adagrad", "collection", "torch"), ("adagrad", "collection", "fbgemm"),
+    ("sparse_adam", "prefetch", "torch"), ("sparse_adam", "prefetch", "fbgemm")])
+def test_sync_tables_equal_one_process_with_torch_sparse_optimizers(shards, kind, collection, kernels, monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, kernels)  # a collection pools with FBGEMM's fused kernel or per bag in torch
     from shardps.worker.session.client import ShardClient
     for address in shards.addresses:  # a fresh job per optimizer
         client = ShardClient(address, index=0)

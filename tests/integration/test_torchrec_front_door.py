@@ -23,6 +23,7 @@ from torchrec.models.dlrm import DLRM
 import shardps
 from shardps.common.rows import initial_rows
 from shardps.worker import DistributedOptimizer, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+from shardps.worker.embedding.fused import KERNELS_ENV
 from tests.support.forked import cluster_fixture
 from tests.support.threads import run_workers
 
@@ -111,7 +112,9 @@ def train(servers: str, model: DLRM, worker: int, out: dict) -> None:
 shards = cluster_fixture(2, min_workers=WORKERS)
 
 
-def test_torchrec_dlrm_with_the_sharded_collection_trains_as_one_process(shards):
+@pytest.mark.parametrize("kernels", ["torch", "fbgemm"])
+def test_torchrec_dlrm_with_the_sharded_collection_trains_as_one_process(shards, kernels, monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, kernels)  # the collection pools with FBGEMM's fused kernel, or per bag in torch
     shards.reset()
     models = [dlrm(sharded=True) for _ in range(WORKERS)]  # built here: torch.manual_seed is process-wide
     out: dict = {}

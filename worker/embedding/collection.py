@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from shardps.worker.embedding import keyed
+from shardps.worker.embedding import fused, keyed
 from shardps.worker.embedding.modules import ShardedEmbeddingBag, bags
 
 __all__ = ["ShardedEmbeddingBagCollection", "merged", "spread"]
@@ -221,11 +221,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         parts, where = merged([(bag.name, prep[0]) for _, bag, prep, *_ in calls])
         if rows is None:
             rows = calls[0][1].tables.pull_many(parts)
-        rows = spread(rows, where)
-        out = {}
-        for (key, bag, (unique, inverse, pad), offsets, weights, _), got in zip(calls, rows):
-            weight, index, pad = bag.finish_lookup(unique, got, inverse, pad)
-            out[key] = bags(index, weight, offsets, bag.mode, weights, bag.include_last_offset, pad)
+        looked = [(key, bag, bag.finish_lookup(unique, got, inverse, pad), offsets, weights)
+                  for (key, bag, (unique, inverse, pad), offsets, weights, _), got in zip(calls, spread(rows, where))]
+        pooled, whole = fused.pooled_by_mode([(weight, index, offsets, weights, bag.include_last_offset, bag.mode,
+                                                pad) for _, bag, (weight, index, pad), offsets, weights in looked])
+        out = fused.PooledFeatures(
+            (key, bags(index, weight, offsets, bag.mode, weights, bag.include_last_offset, pad) if got is None else got)
+            for (key, bag, (weight, index, pad), offsets, weights), got in zip(looked, pooled))
+        out.whole = whole
         return out
 
     @staticmethod

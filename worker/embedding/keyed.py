@@ -160,5 +160,7 @@ def features_of(kjt, keys: Sequence[tuple[str, str]], weighted: bool) -> dict:
 
 def keyed_tensor(pooled: dict[str, torch.Tensor], keys: Sequence[tuple[str, str]], dims: Sequence[int]):
     """A TorchRec ``KeyedTensor`` of ``pooled`` (``{embedding name: float [B, dim]}``) in ``keys``' order."""
-    return _torchrec().KeyedTensor(keys=[key for key, _ in keys], length_per_key=list(dims),
-                                   values=torch.cat([pooled[key] for key, _ in keys], dim=1))
+    whole = getattr(pooled, "whole", None)  # one fused call's output, the features in the keys' order
+    if whole is None or list(pooled) != [key for key, _ in keys]:
+        whole = torch.cat([pooled[key] for key, _ in keys], dim=1)
+    return _torchrec().KeyedTensor(keys=[key for key, _ in keys], length_per_key=list(dims), values=whole)
