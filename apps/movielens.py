@@ -129,13 +129,16 @@ def load(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class MF(nn.Module):
     """Biased matrix factorisation: ``forward(users, items)`` (int64 ``[B]``) -> ``(ratings [B], p_u, q_i)``."""
 
-    def __init__(self, dim: int, init_scale: float, mean: float, ttl_seconds: float = 0.0) -> None:
+    def __init__(self, dim: int, init_scale: float, mean: float, ttl_seconds: float = 0.0,
+                 item_ttl_seconds: float | None = None) -> None:
         super().__init__()
-        expiry = {"ttl_seconds": ttl_seconds}  # rows unseen for this much event time are evicted (0: never)
-        self.user = ShardedEmbedding(None, dim, init_scale=init_scale, **expiry)
-        self.item = ShardedEmbedding(None, dim, init_scale=init_scale, **expiry)
-        self.user_bias = ShardedEmbedding(None, 1, init_scale=0.0, **expiry)
-        self.item_bias = ShardedEmbedding(None, 1, init_scale=0.0, **expiry)
+        # rows unseen for this much event time are evicted (0: never); items may keep theirs longer
+        users = {"ttl_seconds": ttl_seconds}
+        items = {"ttl_seconds": ttl_seconds if item_ttl_seconds is None else item_ttl_seconds}
+        self.user = ShardedEmbedding(None, dim, init_scale=init_scale, **users)
+        self.item = ShardedEmbedding(None, dim, init_scale=init_scale, **items)
+        self.user_bias = ShardedEmbedding(None, 1, init_scale=0.0, **users)
+        self.item_bias = ShardedEmbedding(None, 1, init_scale=0.0, **items)
         self.global_bias = nn.Parameter(torch.tensor(float(mean)))
 
     def forward(self, users: torch.Tensor, items: torch.Tensor):

@@ -23,7 +23,7 @@ in one sync step. The job prints and reports:
   shards' metrics every 20 steps), drawn to ``--plot`` (PNG); ``rows_held``, ``rows_held_max``.
 
 ``--ttl-days D`` evicts user and item rows unseen for D days of event time (``ttl_seconds``; every step
-sends its batch's latest event time). The stream is read by position (``RedisStreamReader``) through
+sends its batch's latest event time); ``--item-ttl-days`` gives the item tables their own. The stream is read by position (``RedisStreamReader``) through
 ``ExactlyOnce``: every step tells the shards which events it trains, so each event is trained once on every
 shard even where a shard restarts from its checkpoint mid-stream (``replays`` in the report: times the
 stream was read again for a shard behind).
@@ -64,6 +64,8 @@ class OnlineConfig:
         rate: events per second the producer publishes. limit: streamed events at most (0: all the rest).
         dim, lr, bias_lr, global_lr, init_scale, seed: the model and its optimizers (``MovieLensConfig``'s).
         ttl_days: evict user and item rows unseen for this many days of event time (0: never; ``ttl_seconds``).
+        item_ttl_days: evict item rows unseen for this many days instead (-1: ``ttl_days``; 0: never): items
+            come back over months, a MovieLens user rates in a few sessions.
         plot: a PNG file for the progressive RMSE curve and the rows held (empty: none).
 
     Raises:
@@ -86,14 +88,16 @@ class OnlineConfig:
     init_scale: float = 0.01
     seed: int = 0
     ttl_days: float = 0.0
+    item_ttl_days: float = -1.0
     plot: str = ""
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0 and self.ttl_days >= 0):
-            raise ValueError("--rate and --max-wait must be > 0, --limit and --ttl-days >= 0")
+        if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0 and self.ttl_days >= 0 and
+                (self.item_ttl_days >= 0 or self.item_ttl_days == -1)):
+            raise ValueError("--rate and --max-wait must be > 0, --limit, --ttl-days and --item-ttl-days >= 0")
 
 
 def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,7 +248,8 @@ def _rows_held(cluster) -> int:
 def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict:
     servers = cluster.servers
     users, items, ratings = rating_tensors(warm)
-    model = MF(config.dim, config.init_scale, float(ratings.mean()), config.ttl_days * 86400.0)
+    model = MF(config.dim, config.init_scale, float(ratings.mean()), config.ttl_days * 86400.0,
+               config.item_ttl_days * 86400.0 if config.item_ttl_days >= 0 else None)
     dense = torch.optim.Adam([model.global_bias], lr=config.global_lr)
     sparse = torch.optim.Adagrad([{"params": [model.user.handle, model.item.handle]},
                                   {"params": [model.user_bias.handle, model.item_bias.handle], "lr": config.bias_lr}],

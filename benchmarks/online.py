@@ -3,7 +3,14 @@
     python benchmarks/online.py [--json PATH] [--data-dir DIR] [--repeats 3] [--limit 0] [--warm 50000]
                                 [--warm-epochs 5] [--batch-size 256] [--quick]
 
-The setting of ``shardps train movielens --online`` (``apps/movielens_online.py``) without its broker:
+**Part 1, against one process**: ``shardps train movielens --online`` itself (one trainer, 2 shards, the stream
+through a Redis broker the run starts, read exactly once) and its one-process zero-lag baseline (the same model,
+optimizers, warm start and batches trained in event order by plain torch), side by side in one run: events/s,
+event-to-trained latency p50/p99, progressive RMSE of both and the share of the baseline's gain shardps
+recovers (``one_trainer`` in the JSON).
+
+**Part 2, hybrid against fully sync with 2 trainers**: the setting of ``shardps train movielens --online``
+(``apps/movielens_online.py``) without its broker:
 MovieLens-100K's ``u.data`` in event-time order (``FileReplay(..., "time", sort=True)``, read in place from
 ``--data-dir``, never copied); the first ``--warm`` (50,000) ratings train the model offline for
 ``--warm-epochs`` epochs (global batches of 512 in a random order, as the app's); the rest (at most
@@ -240,6 +247,30 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def against_one_process(config) -> dict:
+    """Part 1: ``shardps train movielens --online`` (``run_online``: the stream through a Redis broker to one
+    trainer over 2 shards, read exactly once) and, in the same run, its one-process zero-lag baseline (the
+    same model, optimizers, warm start and batches in event order, plain torch). Returns their figures.
+
+    Raises:
+        RuntimeError, BrokerUnavailable: as ``run_online``.
+    """
+    from dataclasses import replace
+
+    from shardps.apps.movielens_online import run_online
+
+    report = run_online(replace(config), say=_log)
+    keys = ("events", "events_per_s", "latency_p50_s", "latency_p99_s", "frozen_rmse", "progressive_rmse", "gain",
+            "gain_vs_baseline", "replays", "rows_held")
+    out = {k: report[k] for k in keys} | {"baseline": report["baseline"]}
+    print(f"one trainer through the broker: {out['events_per_s']:,.0f} events/s, latency p50 "
+          f"{out['latency_p50_s'] * 1e3:.0f} ms, p99 {out['latency_p99_s'] * 1e3:.0f} ms, progressive RMSE "
+          f"{out['progressive_rmse']:.4f} (frozen {out['frozen_rmse']:.4f}); one process: "
+          f"{out['baseline']['progressive_rmse']:.4f} (frozen {out['baseline']['frozen_rmse']:.4f}); shardps "
+          f"recovers {out['gain_vs_baseline']:.2f}x its gain")
+    return out
+
+
 def main() -> None:
     """Parse the options, run the interleaved modes, print the table and write the JSON (``--json``)."""
     from shardps.apps.movielens_online import OnlineConfig
@@ -275,6 +306,7 @@ def main() -> None:
            "global_lr": config.global_lr, "seed": config.seed, "warm_epochs": config.warm_epochs,
            "mean": float(torch.tensor([float(e.fields["rating"]) for e in warm]).mean()),
            "warm_steps": warm_steps, "stream_steps": stream_steps}
+    single = against_one_process(config)
     load_start = os.getloadavg()
     _log(f"online MovieLens-100K, {TRAINERS} trainers x {SHARDS} shards: warm {len(warm)} ratings x "
          f"{config.warm_epochs} epochs ({warm_steps} steps/epoch), stream {len(streamed)} ratings in {stream_steps} "
@@ -310,7 +342,8 @@ def main() -> None:
           "batch_size": config.batch_size, "warm_batch": WARM_BATCH, "warm_steps_per_epoch": warm_steps,
           "stream_steps": stream_steps, "trainers": TRAINERS, "shards": SHARDS, "repeats": args.repeats,
           "quick": args.quick, "data_dir": str(args.data_dir), "model": cfg, "load_average_at_start": load_start,
-          "load_average_at_end": os.getloadavg(), "wall_seconds": wall, "runs": runs, **summary}, args.json)
+          "load_average_at_end": os.getloadavg(), "wall_seconds": wall, "runs": runs, **summary,
+          "one_trainer": single}, args.json)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--plot", default="", help="--online: draw the progressive RMSE curve to this PNG file")
     m.add_argument("--ttl-days", type=float, default=0.0,
                    help="--online: evict rows unseen for this many days of event time (default 0: never)")
+    m.add_argument("--item-ttl-days", type=float, default=None,
+                   help="--online: evict item rows unseen for this many days instead (default: --ttl-days)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     return p
@@ -291,7 +293,8 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
         raise ValueError("--online starts its own shards: leave out --servers")
     config = OnlineConfig(data_dir=args.data_dir, shards=args.shards, redis_url=args.redis_url, warm=args.warm,
                           warm_epochs=args.warm_epochs, rate=args.rate, limit=args.limit, dim=args.dim, lr=args.lr,
-                          seed=args.seed, plot=args.plot, ttl_days=args.ttl_days)
+                          seed=args.seed, plot=args.plot, ttl_days=args.ttl_days,
+                          item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:

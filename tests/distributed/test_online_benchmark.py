@@ -62,3 +62,8 @@ def test_online_benchmark_trains_every_event_in_both_modes(tmp_path: Path) -> No
     assert result["rmse_difference"] == pytest.approx(
         abs(modes["hybrid"]["progressive_rmse"] - modes["sync"]["progressive_rmse"]))
     assert result["goal"]["met"] == (result["rmse_difference"] <= 0.005)
+    one = result["one_trainer"]  # part 1: the broker job and its one-process baseline on the same stream
+    assert one["events"] == streamed and one["replays"] == 0 and one["events_per_s"] > 0, one
+    base = one["baseline"]
+    assert 0.5 < base["progressive_rmse"] < guess and 0.5 < one["progressive_rmse"] < guess, one
+    assert one["gain_vs_baseline"] == pytest.approx(one["gain"] / base["gain"]) or base["gain"] <= 0

@@ -111,6 +111,7 @@ def test_an_online_movielens_job_streams_through_redis_and_scores_before_trainin
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["events"] == 4000 and result["config"]["warm"] == 50_000
+    assert result["replays"] == 0  # no shard restarted: no event read twice
     assert 0.5 < result["progressive_rmse"] < 1.5 and 0.5 < result["frozen_rmse"] < 1.5, result
     assert result["gain"] == pytest.approx(result["frozen_rmse"] - result["progressive_rmse"])
     assert 0 < result["latency_p50_s"] <= result["latency_p99_s"] < 60 and result["events_per_s"] > 0

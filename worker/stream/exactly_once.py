@@ -93,8 +93,10 @@ def held_offsets(dist, partition: str) -> list[int | None]:
         ShardRpcError: a shard could not be asked.
     """
     dist.synchronize()
-    out: list[int | None] = []
     rows = dist.tables is not None
+    if rows and dist.tables.tables:  # the rows of the last step applied, not only taken (step() hands them off)
+        dist.tables.settle(next(iter(dist.tables.tables)))
+    out: list[int | None] = []
     for client in dist.clients:
         found = [p for p in client.stats().stream_positions if p.partition == partition]
         if not found:
