@@ -594,19 +594,21 @@ class PushRowsReply(_message.Message):
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "state", "offset", "max_rows")
+    __slots__ = ("table", "state", "offset", "max_rows", "since_round")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
     table: str
     state: bool
     offset: int
     max_rows: int
-    def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+    since_round: int
+    def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ..., since_round: _Optional[int] = ...) -> None: ...
 
 class ExportRowsReply(_message.Message):
-    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step", "total_rows")
+    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step", "total_rows", "evicted", "evictions_forgotten")
     class StateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -629,6 +631,8 @@ class ExportRowsReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     ids: bytes
     weights: bytes
@@ -637,4 +641,6 @@ class ExportRowsReply(_message.Message):
     round: int
     step: int
     total_rows: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
+    evicted: bytes
+    evictions_forgotten: bool
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ..., evicted: _Optional[bytes] = ..., evictions_forgotten: _Optional[bool] = ...) -> None: ...

@@ -36,6 +36,7 @@ import torch
 from shardps.common.rows import state_widths
 from shardps.server.errors import ResourceExhausted
 from shardps.server.membership.admission import resident_bytes
+from shardps.server.sparse.deltas import delta_items
 from shardps.server.sparse.fused import INIT_BLOCK_VALUES
 
 __all__ = ["REPLY_COPIES", "ReplyBytes", "ReplyBudget", "Held", "PullReply", "ExportReply", "check_size",
@@ -343,8 +344,9 @@ class ExportReply:
         spec: the table's spec, encoded; size: bytes of the reply at most; need: bytes of memory it may take.
     """
 
-    def __init__(self, table, start: int, rows: int, state: bool) -> None:
-        self.table, self.start, self.rows, self.state = table, start, rows, state
+    def __init__(self, table, start: int, rows: int, state: bool, since: int = 0) -> None:
+        self.table, self.start, self.rows, self.state, self.since = table, start, rows, state, since
+        self.evicted_limit = 1 << 62
         self.spec = table.spec.to_proto().SerializeToString()
         self.widths = state_widths(table.spec.optimizer, table.spec.embedding_dim) if state else {}
         self.size = self.size_of(rows)
@@ -352,17 +354,19 @@ class ExportReply:
         self.need = REPLY_COPIES * self.size + SCRATCH_PER_ROW * table.rows + table.index.nbytes() // 4
 
     @classmethod
-    def page(cls, table, offset: int, max_rows: int, state: bool, config) -> "ExportReply":
-        """The page ``offset``, ``max_rows`` (0: all the rows from ``offset``) of ``table`` as it is now, sized.
+    def page(cls, table, offset: int, max_rows: int, state: bool, config, since: int = 0) -> "ExportReply":
+        """The page ``offset``, ``max_rows`` (0: all the rows from ``offset``) of ``table`` as it is now, sized;
+        ``since`` > 0: of the rows last pushed in rounds ``>= since`` (a delta, ``deltas.py``).
 
         Raises:
             ResourceExhausted: the page is over ``config.max_message_bytes``: the message names the limit, the
                 page and the most rows a page of this table may hold (``max_rows``), or that none fits.
         """
-        total = table.rows
+        total = table.rows if not since else int((table.touched[table.items()[1]] >= since).sum())
         start = min(offset, total)
         rows = total - start if not max_rows else min(max_rows, total - start)
-        page = cls(table, start, rows, state)
+        page = cls(table, start, rows, state, since)
+        page.evicted_limit = config.max_message_bytes // 4  # a delta's evicted ids beyond this: say forgotten
         if page.size > config.max_message_bytes:
             fits = page.fitting_rows(config.max_message_bytes)
             check_size(page.size, config, page.describe(), f"ask for at most {fits} rows a page (max_rows)" if fits
@@ -399,15 +403,25 @@ class ExportReply:
         """The page's bytes (compute thread, between rounds): the rows in id order gathered straight into the
         reply, ``round_now()`` its round."""
         table = self.table
-        ids, slots = table.items()
-        order = torch.argsort(ids)[self.start: self.start + self.rows]
-        return self.write(ids[order], slots[order], round_now(), table.step, table.rows)
+        ids, slots = delta_items(*table.items(), table.touched, self.since)
+        total = ids.numel()
+        evicted = table.evictions.since(self.since) if self.since and self.start == 0 else None
+        if evicted is not None and 8 * evicted.numel() > self.evicted_limit:
+            evicted = None  # too many to send: the replica reads the whole table instead
+        return self.write(ids[self.start: self.start + self.rows], slots[self.start: self.start + self.rows],
+                          round_now(), table.step, total, evicted, bool(self.since and self.start == 0 and
+                                                                       evicted is None))
 
-    def write(self, ids: torch.Tensor, slots: torch.Tensor, round_: int, step: int, total: int) -> bytes:
+    def write(self, ids: torch.Tensor, slots: torch.Tensor, round_: int, step: int, total: int,
+              evicted: torch.Tensor | None = None, forgotten: bool = False) -> bytes:
         """The page's bytes: ``ids`` (int64 ``[m]``, ``m <= rows``) and the weights (and state) at ``slots`` (int64
-        ``[m]``) gathered straight into the reply, then the spec and the numbers. Compute thread."""
+        ``[m]``) gathered straight into the reply, then the spec and the numbers; a delta's ``evicted`` ids
+        (int64) and ``forgotten`` flag. Compute thread."""
         m = ids.numel()
-        out = ReplyBytes(self.size_of(m))
+        e = 0 if evicted is None else evicted.numel()
+        out = ReplyBytes(self.size_of(m) + (field_bytes(9, 8 * e) if e else 0) + 2)
+        if e:
+            out.rows(9, e, 1, torch.int64).copy_(evicted.view(e, 1))
         out.rows(2, m, 1, torch.int64).copy_(ids.view(m, 1))
         torch.index_select(self.table.weights, 0, slots,
                            out=out.rows(3, m, self.table.spec.embedding_dim, self.table.spec.row_dtype))
@@ -417,7 +431,7 @@ class ExportReply:
         for name, width in self.widths.items():
             entry = _entry_key(name) + _varint(2 << 3) + _varint(width)
             tail += _delimited(5, len(entry)) + entry
-        for number, value in ((6, round_), (7, step), (8, total)):
+        for number, value in ((6, round_), (7, step), (8, total), (10, int(forgotten))):
             if value:
                 tail += _varint(number << 3) + _varint(value)
         out.raw(bytes(tail))

@@ -27,6 +27,7 @@ import torch
 
 from shardps.common.rows import TableSpec, placement_salt, state_widths
 from shardps.server.errors import ResourceExhausted
+from shardps.server.sparse.deltas import EvictionLog
 from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.slab import RowSlab
 
@@ -57,6 +58,8 @@ class RowTable:
         self.step = 0  # optimizer steps of the table (rounds that pushed any of its ids)
         self.clock = 0.0  # the latest event time pushed to the table, seconds (ttl_seconds tables)
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.evictions = EvictionLog()  # ids evicted per round, for deltas (deltas.py)
+        self._round = 0
         self.candidates = IdIndex()
         self._cand = torch.zeros(0, 2, dtype=torch.int64)  # (count, last round seen) per candidate slot
         self._cand_used = 0
@@ -176,6 +179,7 @@ class RowTable:
         s = self.spec
         if not self.evicts():
             return
+        self._round = round_  # the round the drops below are of (the eviction log's)
         ids, slots = self.items() if held is None else held
         if s.ttl_rounds and ids.numel():
             old = round_ - self.touched[slots] >= s.ttl_rounds
@@ -197,6 +201,7 @@ class RowTable:
             self._drop(ids[lru], slots[lru], "evicted_capacity")
 
     def _drop(self, ids: torch.Tensor, slots: torch.Tensor, why: str) -> None:
+        self.evictions.note(self._round, ids)
         self.index.remove(ids, self.tag)
         self.slab.release(slots)
         self.rows -= ids.numel()

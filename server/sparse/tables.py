@@ -497,7 +497,8 @@ class SparseTables:
         """
         table = self._table(request.table)
         await self._settled()
-        reply = replies.ExportReply.page(table, request.offset, request.max_rows, request.state, self.store.config)
+        reply = replies.ExportReply.page(table, request.offset, request.max_rows, request.state, self.store.config,
+                                         request.since_round)
         self._note_round()
         return await self.replies.serve(reply, "ask for fewer rows a page (max_rows)", sent,
                                         lambda: self.store.run(reply.read, self._round_now, priority=SPARSE))
@@ -530,6 +531,7 @@ class SparseTables:
             table = self._new_table(spec, spec.max_bytes or self.store.config.table_max_bytes)
             prefix = f"rows/{name}/"
             table.restore({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, numbers)
+            table.evictions.forgotten_before = self.round  # what it evicted before its checkpoint is not known
             self.tables[name] = table
 
     def metric_values(self) -> dict[str, dict[str, float]]:

@@ -17,7 +17,7 @@ import torch
 from shardps.common.rows import TableSpec, ids_from, initial_rows, rows_from
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["TableExport", "export_table"]
+__all__ = ["TableDelta", "TableExport", "export_table", "table_delta"]
 
 
 @dataclass
@@ -61,13 +61,14 @@ class TableExport:
         return self.lookup(torch.arange(self.spec.num_embeddings))
 
 
-def _pages(client, name: str, max_message_bytes: int) -> list:
-    """Every page of ``name``'s rows on one shard, each reply under half the message limit."""
-    pages = [client.export_rows(name, state=True, max_rows=1)]  # the spec, so the row size, comes with it
+def _pages(client, name: str, max_message_bytes: int, since: int = 0, state: bool = True) -> list:
+    """Every page of ``name``'s rows on one shard (``since`` > 0: of the rows pushed in rounds ``>= since``), each
+    reply under half the message limit."""
+    pages = [client.export_rows(name, state=state, max_rows=1, since_round=since)]  # the spec, so the row size
     per_page = max(1, (max_message_bytes // 2) // (8 + TableSpec.from_proto(pages[0].spec).row_bytes()))
     offset = len(pages[0].ids) // 8
     while offset < pages[-1].total_rows:
-        pages.append(client.export_rows(name, state=True, offset=offset, max_rows=per_page))
+        pages.append(client.export_rows(name, state=state, offset=offset, max_rows=per_page, since_round=since))
         if not pages[-1].ids:  # rows were evicted meanwhile
             break
         offset += len(pages[-1].ids) // 8
@@ -97,3 +98,65 @@ def export_table(clients, name: str, max_message_bytes: int = DEFAULT_MAX_MESSAG
     return TableExport(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
                        state={k: torch.cat(v)[order] for k, v in state.items()},
                        round=min(r.round for r in replies), steps=[pages[0].step for pages in shards])
+
+
+@dataclass
+class TableDelta:
+    """What changed in one table on every shard since a sparse round per shard (``table_delta``).
+
+    Attributes:
+        spec: the table's spec; ids: sorted int64 ``[n]``, the rows pushed since; weights: float32 ``[n, dim]``;
+        evicted: sorted unique int64 ids evicted since (an id evicted and pushed again is in both);
+        rounds: each shard's sparse round when read: the ``since`` of the next delta;
+        forgotten: a shard cannot tell what it evicted that far back, or went back to an older state (it
+            restarted from a checkpoint): apply nothing, read the whole table again (``since`` 0).
+    """
+
+    spec: TableSpec
+    ids: torch.Tensor
+    weights: torch.Tensor
+    evicted: torch.Tensor
+    rounds: list[int]
+    forgotten: bool
+
+    def apply(self, table: TableExport) -> TableExport:
+        """``table`` (weights only) with this delta applied: the evicted ids dropped, then the rows taken.
+
+        Raises:
+            ValueError: the delta is ``forgotten`` (read the whole table instead).
+        """
+        if self.forgotten:
+            raise ValueError(f"the delta of table {self.spec.name!r} cannot be applied: a shard forgot its "
+                             "evictions or went back to an older state; read the whole table (since 0)")
+        keep = ~torch.isin(table.ids, torch.cat([self.evicted, self.ids]))
+        ids = torch.cat([table.ids[keep], self.ids])
+        order = torch.argsort(ids)
+        weights = torch.cat([table.weights[keep], self.weights])[order]
+        return TableExport(spec=self.spec, ids=ids[order], weights=weights, state={}, round=min(self.rounds),
+                           steps=table.steps)
+
+
+def table_delta(clients, name: str, since: list[int], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+                ) -> TableDelta:
+    """The rows of table ``name`` pushed on each shard since sparse round ``since[i]`` (0: every row: a
+    snapshot), and the ids evicted since, read a page at a time (``ExportRows(since_round=)``): what a serving
+    replica applies to stay fresh, touched rows only (Monolith's parameter sync).
+
+    Raises:
+        ShardRpcError: a shard does not hold the table or did not answer.
+    """
+    ids, weights, evicted, rounds, forgotten, spec = [], [], [], [], False, None
+    for client, start in zip(clients, since):
+        pages = _pages(client, name, max_message_bytes, start, state=False)
+        spec = spec or TableSpec.from_proto(pages[0].spec)
+        rounds.append(pages[0].round)
+        forgotten |= pages[0].evictions_forgotten or pages[0].round < start  # forgot, or went back
+        evicted.append(ids_from(pages[0].evicted))
+        for r in pages:
+            part = ids_from(r.ids)
+            ids.append(part)
+            weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim, spec.row_dtype))
+    all_ids = torch.cat(ids)
+    order = torch.argsort(all_ids)
+    return TableDelta(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
+                      evicted=torch.unique(torch.cat(evicted)), rounds=rounds, forgotten=forgotten)

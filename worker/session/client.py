@@ -254,10 +254,12 @@ class ShardClient:
         return self._unary("push_rows", self.stub.PushRows, request, repeatable=True)
 
     def export_rows(self, table: str, state: bool = False, timeout: float | None = None, offset: int = 0,
-                    max_rows: int = 0) -> pb.ExportRowsReply:
+                    max_rows: int = 0, since_round: int = 0) -> pb.ExportRowsReply:
         """Rows ``[offset, offset + max_rows)`` (0: all) of ``table`` on this shard in id order, with optimizer
-        state if ``state``; read-only, retried."""
-        request = pb.ExportRowsRequest(table=table, state=state, offset=offset, max_rows=max_rows)
+        state if ``state``; ``since_round`` > 0: of the rows last pushed in rounds ``>= since_round`` only (a
+        delta; page 0 lists the ids evicted since). Read-only, retried."""
+        request = pb.ExportRowsRequest(table=table, state=state, offset=offset, max_rows=max_rows,
+                                       since_round=since_round)
         return self._unary("export_rows", self.stub.ExportRows, request, timeout, repeatable=True)
 
     def close(self) -> None:
