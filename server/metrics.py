@@ -62,8 +62,8 @@ READ_COUNTERS = {
     "joins": "Workers admitted as new members.",
     "leaves": "Workers that left (Leave).",
     "lease_expiries": "Workers dropped because their lease ran out.",
-    "stream_batches_held": "Rounds (dense or rows) skipped because the shard holds their stream batch already.",
-    "stream_batches_owed": "Rounds (dense or rows) skipped because their stream batch leaves a gap after what "
+    "stream_batches_held": "Pushes (dense or rows) of skipped rounds whose stream batch the shard holds already.",
+    "stream_batches_owed": "Pushes (dense or rows) of skipped rounds whose stream batch leaves a gap after what "
                            "the shard holds (a replay from its held offset follows).",
 }
 #: Gauges read when scraped: name (without ``shardps_shard_``) -> help.

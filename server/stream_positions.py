@@ -76,6 +76,10 @@ class StreamPositions:
                 members' batches; every member must replay from the offsets the shards hold (Stats).
         """
         held = self.dense if kind == "dense" else self.rows
+        named = [s.partition for s in spans if s is not None]
+        if len(set(named)) < len(named):
+            raise InvalidArgument(f"{what}: two members pushed batches of one stream partition: give each trainer its "
+                                  "own partition")
         verdicts = [self.judge(held, s) for s in spans]
         if all(v == DUE for v in verdicts):
             if len(held) + len({s.partition for s in spans if s is not None} - held.keys()) > MAX_PARTITIONS:

@@ -454,7 +454,7 @@ class Rounds(CommitExchange):
                     if before is not None:  # a refused round changes nothing: its hyperparameters neither
                         self.optimizer.set_hyperparams(before)
                     raise
-                if closed.arenas[0] is not None:
+                if closed.arenas[0] is not None and due:  # (a stream batch the shard holds changes no buffer)
                     self.buffers.copy_(closed.arenas[0])  # the lowest worker id's buffers, as DDP broadcasts rank 0's
                 self.snapshot_version = self.version + 1  # read by snapshots on this (compute) thread
 

@@ -129,6 +129,9 @@ def test_a_batch_the_shards_hold_is_skipped_and_a_gap_is_not_applied(tmp_path):
             assert float(x.detach()) == 5.0 and rows.weights[rows.ids.tolist().index(4), 0] == 3.0
             assert rows.weights[rows.ids.tolist().index(3), 0] == 2.0
             assert held_offsets(dist, "p") == [4]
+            dist.set_stream_span("p", 4, 5)
+            with pytest.raises(RuntimeError, match="was not sent yet"):  # two batches for one step: refused
+                dist.set_stream_span("p", 5, 6)
         finally:
             dist.close()
         position = stats(shards, 0).stream_positions[0]
@@ -171,3 +174,22 @@ def test_a_file_replay_seeks(tmp_path):
     assert [e.fields["id"] for e in replay.read(10, 0)] == ["7", "8", "9"] and replay.read(1, 0) == []
     replay.seek(None)
     assert [replay.position(e) for e in replay.read(2, 0)] == [0, 1]
+
+
+def test_a_stream_trimmed_past_the_resume_point_is_refused(broker):
+    import redis
+
+    entry_ids = publish(broker.url, "trimmed", [{"id": k, "time": k} for k in range(10)])
+    client = redis.Redis.from_url(broker.url)
+    try:
+        client.xtrim("trimmed", maxlen=3, approximate=False)
+    finally:
+        client.close()
+    reader = RedisStreamReader(broker.url, "trimmed")
+    try:
+        reader.seek(redis_offset(entry_ids[7]))  # the entries after it are still there
+        assert [e.fields["id"] for e in reader.read(5, 0.1)] == ["8", "9"]
+        with pytest.raises(RuntimeError, match="trimmed"):
+            reader.seek(redis_offset(entry_ids[2]))  # 3 to 6 are gone: resuming would skip them
+    finally:
+        reader.close()

@@ -37,7 +37,14 @@ class StreamMarks:
         Raises:
             ValueError: a malformed span (``shardps.common.stream_offsets.span``); called after ``backward()``
                 began streaming the step's round (a round with a span is pushed whole, not streamed).
+            RuntimeError: the span set before was not sent yet: each batch needs its own ``step()`` (a loader
+                that reads a batch ahead, or a batch skipped without a step, would give a step another's span).
         """
+        pending = self._span if self._span is not None else (self._tables.span if self._tables is not None else None)
+        if pending is not None:
+            raise RuntimeError(f"set_stream_span: the span of the previous batch (partition {pending.partition!r}, "
+                               f"to offset {pending.last}) was not sent yet: call step() once for every batch, and "
+                               "set the span of a batch only when its step comes (no read-ahead)")
         if self._round is not None and self._round.options is not None:
             raise ValueError("set_stream_span: this step's round is already streamed (backward() pushed its first "
                              "gradient): call set_stream_span before backward()")

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from shardps.worker.stream.events import Event
 
-__all__ = ["ExactlyOnce", "SeekableSource", "held_offsets", "redis_id", "redis_offset"]
+__all__ = ["ExactlyOnce", "SeekableSource", "held_offsets", "held_positions", "redis_id", "redis_offset"]
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +92,29 @@ def held_offsets(dist, partition: str) -> list[int | None]:
     Raises:
         ShardRpcError: a shard could not be asked.
     """
+    return [None if None in kinds else min(kinds) for kinds in held_positions(dist, partition)]
+
+
+def held_positions(dist, partition: str) -> list[list[int | None]]:
+    """Per shard, the offsets of ``partition`` its dense part and (with tables) its rows hold (None: nothing),
+    once the steps so far are applied.
+
+    Raises:
+        ShardRpcError: a shard could not be asked.
+    """
     dist.synchronize()
     rows = dist.tables is not None
     if rows and dist.tables.tables:  # the rows of the last step applied, not only taken (step() hands them off)
         dist.tables.settle(next(iter(dist.tables.tables)))
-    out: list[int | None] = []
+    out: list[list[int | None]] = []
     for client in dist.clients:
         found = [p for p in client.stats().stream_positions if p.partition == partition]
         if not found:
-            out.append(None)
+            out.append([None] * (2 if rows else 1))
             continue
         p = found[0]
-        kinds = [p.dense if p.HasField("dense") else None] + ([p.rows if p.HasField("rows") else None] if rows
-                                                                else [])
-        out.append(None if None in kinds else min(kinds))
+        out.append([p.dense if p.HasField("dense") else None] + ([p.rows if p.HasField("rows") else None] if rows
+                                                                  else []))
     return out
 
 
@@ -148,23 +157,32 @@ class ExactlyOnce:
         self._pending: list[Event] = []
         self._rejoins = self._rejoin_count()
         self._trained_to: int | None = None  # the furthest offset ever handed out (replays end there)
+        self._stuck, self._last_low = 0, None  # replays in a row from one offset
 
     def _rejoin_count(self) -> int:
         recovery = self.dist.recovery
         return recovery.rejoins if recovery is not None else 0
 
-    def _seek(self, held: list[int | None]) -> None:
-        start = _lowest(held)
+    def _seek(self, positions: list[list[int | None]]) -> None:
+        offsets = [h for kinds in positions for h in kinds]
+        start = _lowest(offsets)
         self.source.seek(start)
         self._pending = []
         self.after = start
-        self._cuts = {h for h in held if h is not None and (start is None or h > start)}
+        # a batch ends at every offset a shard's dense part or rows hold: held by each, or due on it, never both
+        self._cuts = {h for h in offsets if h is not None and (start is None or h > start)}
 
     def _check(self) -> bool:
-        """Ask the shards what they hold; seek back to the lowest when one is behind. True: it moved back."""
-        held = held_offsets(self.dist, self.source.partition)
+        """Ask the shards what they hold; seek back to the lowest when one is behind. True: it moved back.
+
+        Raises:
+            RuntimeError: a shard is ahead of the trainer, or stayed behind through three replays in a row.
+        """
+        positions = held_positions(self.dist, self.source.partition)
+        held = [None if None in kinds else min(kinds) for kinds in positions]
         low = _lowest(held)
         if low == self.after:
+            self._stuck = 0
             return False
         if self.after is not None and low is not None and low > self.after:
             raise RuntimeError(f"shards hold partition {self.source.partition!r} up to offset {low}, past this "
@@ -173,8 +191,14 @@ class ExactlyOnce:
         log.warning("shard(s) %s hold partition %r only up to offset %s (restored from a checkpoint): replaying "
                     "its events from there; the shards that hold them skip them", behind, self.source.partition,
                     "none (its start)" if low is None else low)
+        self._stuck = self._stuck + 1 if low == self._last_low else 1
+        self._last_low = low
+        if self._stuck > 3:
+            raise RuntimeError(f"shard(s) {behind} stayed at offset {low} of partition {self.source.partition!r} "
+                               "through 3 replays: they skip every batch (see their logs: a batch that leaves a gap, "
+                               "or one step given two batches); nothing more is trained")
         self.replays += 1
-        self._seek(held)
+        self._seek(positions)
         return True
 
     def _read(self) -> list[Event]:
@@ -210,7 +234,7 @@ class ExactlyOnce:
         Raises:
             ShardRpcError: a shard could not be asked what it holds. RuntimeError: see the class.
         """
-        self._seek(held_offsets(self.dist, self.source.partition))
+        self._seek(held_positions(self.dist, self.source.partition))
         since_check = 0
         while True:
             batch = self._read()

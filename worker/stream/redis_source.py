@@ -178,7 +178,17 @@ class RedisStreamReader(RedisStreamSource):
         return redis_offset(event.offset)
 
     def seek(self, after: int | None) -> None:
-        """Read next the entries after offset ``after`` (None: from the stream's first)."""
+        """Read next the entries after offset ``after`` (None: from the stream's first).
+
+        Raises:
+            RuntimeError: the stream was trimmed past ``after`` (its first entry is later). BrokerUnavailable.
+        """
+        if after is not None:  # the stream still holds what follows ``after`` (not trimmed past it: XTRIM, MAXLEN)
+            first = self._retrying(lambda: self._client.xrange(self.stream, count=1))
+            if first and redis_offset(first[0][0]) > after:
+                raise RuntimeError(f"stream {self.stream!r} no longer holds the entries after {redis_id(after)} (its "
+                                   f"first entry is {first[0][0]}: trimmed): the events between would be skipped; "
+                                   "keep the stream longer than the shards' checkpoints lag behind")
         self._after, self._ended = "0-0" if after is None else redis_id(after), False
 
     def read(self, max_events: int, timeout: float) -> list[Event]:
