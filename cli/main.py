@@ -39,6 +39,7 @@ from pathlib import Path
 from shardps.common.addresses import parse_servers
 from shardps.common.version import shardps_version
 from shardps.cli import operator as operator_cli
+from shardps.cli import serve as serve_cli
 from shardps.cli.untrusted import MAX_TEXT_CHARS, printable
 
 
@@ -206,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="--online: evict item rows unseen for this many days instead (default: --ttl-days)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
+    serve_cli.add_command(sub, _servers)
     return p
 
 

@@ -644,3 +644,41 @@ class ExportRowsReply(_message.Message):
     evicted: bytes
     evictions_forgotten: bool
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ..., evicted: _Optional[bytes] = ..., evictions_forgotten: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("rows", "dim", "state", "state_age_seconds", "rounds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    dim: int
+    state: int
+    state_age_seconds: float
+    rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., state: _Optional[int] = ..., state_age_seconds: _Optional[float] = ..., rounds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("user", "items")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    user: int
+    items: bytes
+    def __init__(self, user: _Optional[int] = ..., items: _Optional[bytes] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("scores", "state")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    scores: bytes
+    state: int
+    def __init__(self, scores: _Optional[bytes] = ..., state: _Optional[int] = ...) -> None: ...

@@ -804,3 +804,124 @@ class Shard:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ServingStub:
+    """A serving replica: a read-only copy of a training job's tables and dense parameters, refreshed by
+    touched-row deltas (docs/serving.md).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/shardps.v1.Serving/Lookup',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.LookupRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.LookupReply.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/shardps.v1.Serving/Score',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.ScoreReply.FromString,
+                _registered_method=True)
+
+
+class ServingServicer:
+    """A serving replica: a read-only copy of a training job's tables and dense parameters, refreshed by
+    touched-row deltas (docs/serving.md).
+    """
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ServingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.LookupRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.LookupReply.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.ScoreRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.ScoreReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardps.v1.Serving', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardps.v1.Serving', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Serving:
+    """A serving replica: a read-only copy of a training job's tables and dense parameters, refreshed by
+    touched-row deltas (docs/serving.md).
+    """
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Serving/Lookup',
+            shardps_dot_proto_dot_shardps__pb2.LookupRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Serving/Score',
+            shardps_dot_proto_dot_shardps__pb2.ScoreRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.ScoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -100,6 +100,21 @@ def export_table(clients, name: str, max_message_bytes: int = DEFAULT_MAX_MESSAG
                        round=min(r.round for r in replies), steps=[pages[0].step for pages in shards])
 
 
+def _delta_pages(client, name: str, max_message_bytes: int, since: int) -> list:
+    """A delta's pages from one shard: one page when the delta fits a message (one consistent read), else a page
+    at a time (:func:`_pages`)."""
+    import grpc
+
+    from shardps.worker.session.client import ShardRpcError
+
+    try:
+        return [client.export_rows(name, state=False, since_round=since)]
+    except ShardRpcError as exc:
+        if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+    return _pages(client, name, max_message_bytes, since, state=False)
+
+
 @dataclass
 class TableDelta:
     """What changed in one table on every shard since a sparse round per shard (``table_delta``).
@@ -108,8 +123,11 @@ class TableDelta:
         spec: the table's spec; ids: sorted int64 ``[n]``, the rows pushed since; weights: float32 ``[n, dim]``;
         evicted: sorted unique int64 ids evicted since (an id evicted and pushed again is in both);
         rounds: each shard's sparse round when read: the ``since`` of the next delta;
-        forgotten: a shard cannot tell what it evicted that far back, or went back to an older state (it
-            restarted from a checkpoint): apply nothing, read the whole table again (``since`` 0).
+        incarnations: each shard's process incarnation when read (a restarted shard numbers its rounds again
+            from its checkpoint's): the ``incarnations`` of the next delta;
+        forgotten: a shard cannot tell what it evicted that far back, went back to an older state, or is
+            another process than the last delta read (it restarted from a checkpoint): apply nothing, read the
+            whole table again (``since`` 0).
     """
 
     spec: TableSpec
@@ -118,6 +136,7 @@ class TableDelta:
     evicted: torch.Tensor
     rounds: list[int]
     forgotten: bool
+    incarnations: list[str]
 
     def apply(self, table: TableExport) -> TableExport:
         """``table`` (weights only) with this delta applied: the evicted ids dropped, then the rows taken.
@@ -136,27 +155,35 @@ class TableDelta:
                            steps=table.steps)
 
 
-def table_delta(clients, name: str, since: list[int], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-                ) -> TableDelta:
+def table_delta(clients, name: str, since: list[int], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                incarnations: list[str] | None = None) -> TableDelta:
     """The rows of table ``name`` pushed on each shard since sparse round ``since[i]`` (0: every row: a
     snapshot), and the ids evicted since, read a page at a time (``ExportRows(since_round=)``): what a serving
-    replica applies to stay fresh, touched rows only (Monolith's parameter sync).
+    replica applies to stay fresh, touched rows only (Monolith's parameter sync). ``incarnations``: the previous
+    delta's (a shard that restarted since reuses round numbers: the delta is then ``forgotten``).
 
     Raises:
         ShardRpcError: a shard does not hold the table or did not answer.
     """
-    ids, weights, evicted, rounds, forgotten, spec = [], [], [], [], False, None
+    before = [c.stats().incarnation for c in clients]
+    ids, weights, evicted, rounds, spec = [], [], [], [], None
+    forgotten = incarnations is not None and list(incarnations) != before
     for client, start in zip(clients, since):
-        pages = _pages(client, name, max_message_bytes, start, state=False)
+        for _ in range(3):  # pages read across a round would mix two states of the shard: read them again
+            pages = _delta_pages(client, name, max_message_bytes, start)
+            if len({p.round for p in pages}) == 1:
+                break
         spec = spec or TableSpec.from_proto(pages[0].spec)
-        rounds.append(pages[0].round)
+        rounds.append(min(p.round for p in pages))  # (rows newer than that come again with the next delta)
         forgotten |= pages[0].evictions_forgotten or pages[0].round < start  # forgot, or went back
         evicted.append(ids_from(pages[0].evicted))
         for r in pages:
             part = ids_from(r.ids)
             ids.append(part)
             weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim, spec.row_dtype))
+    forgotten |= [c.stats().incarnation for c in clients] != before  # a restart while the pages were read
     all_ids = torch.cat(ids)
     order = torch.argsort(all_ids)
     return TableDelta(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
-                      evicted=torch.unique(torch.cat(evicted)), rounds=rounds, forgotten=forgotten)
+                      evicted=torch.unique(torch.cat(evicted)), rounds=rounds, forgotten=forgotten,
+                      incarnations=before)
