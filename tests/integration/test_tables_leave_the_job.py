@@ -147,7 +147,8 @@ def test_eval_on_a_live_job_makes_no_rows_and_pushes_nothing(shards):
 
     try:
         train(model, dist, [batch(s) for s in range(3)])
-        before, rows_before = counters(), dist.tables.export("item")
+        rows_before = dist.tables.export("item")  # first: the last step's rows applied (step() hands them off)
+        before = counters()
         model.eval()
         with torch.no_grad():
             for s in range(5):
