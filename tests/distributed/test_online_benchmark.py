@@ -37,8 +37,7 @@ def constant_rmse() -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_online_benchmark_trains_every_event_in_both_modes(tmp_path: Path) -> None:
-    if not (DATA / "u.data").is_file():
-        pytest.skip(f"MovieLens-100K not found at {DATA} (set SHARDPS_MOVIELENS_DIR)")
+    assert (DATA / "u.data").is_file(), f"MovieLens-100K is not at {DATA}: set SHARDPS_MOVIELENS_DIR"
     out = tmp_path / "online.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "online.py"), "--quick", "--json", str(out),
                            "--data-dir", str(DATA)], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -41,11 +41,14 @@ class TableExport:
         """Rows of int64 ``ids`` (any shape) as training reads them: ``[*ids.shape, dim]`` float32."""
         s = self.spec
         flat = ids.reshape(-1)
-        out = s.initial_rows(flat)
-        if self.ids.numel():
-            pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.numel() - 1)
-            hit = self.ids[pos] == flat
-            out[hit] = self.weights[pos[hit]]
+        if not self.ids.numel():
+            return s.initial_rows(flat).view(*ids.shape, s.embedding_dim)
+        pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.numel() - 1)
+        hit = self.ids[pos] == flat
+        out = self.weights.index_select(0, pos)  # the rows held; the others' initial rows (computed for them only)
+        miss = ~hit
+        if bool(miss.any()):
+            out[miss] = s.initial_rows(flat[miss]).to(out.dtype)
         return out.view(*ids.shape, s.embedding_dim)
 
     def weight(self) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""A serving replica under training load: query latency, and what the replica costs training.
+
+    python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
+
+A training process steps the MovieLens matrix factorisation (``shardps.apps.movielens.MF``: the tables
+``user``, ``item``, ``user_bias``, ``item_bias`` on 2 shards, the dense ``global_bias``) over ``u.data``'s
+ratings in random batches of 256 for ``--seconds`` seconds, as fast as it can, with 1 torch thread. Two runs,
+interleaved ``--repeats`` times:
+
+- ``alone``: training only (its steps/s);
+- ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s) and a
+  client in this process sending, at ``--qps`` queries per second in total, one ``Lookup`` of 2,000 user ids
+  and one ``Score`` of a user against 100 items alternately, each timed from send to answer.
+
+Reported per run: training steps/s; per query kind p50/p99 latency (ms) and the answers' count (every query must
+be answered: a failed one is counted); for ``served`` also the replica's delta bytes and states. The issue's
+goals (2 cores): a 2,000-id lookup p99 <= 5 ms, scoring one user against 100 items p99 <= 10 ms at 200 queries/s,
+training slowed by at most 20% with the replica subscribed. No speed is asserted anywhere; the figures are
+printed and written (``--json``). Processes here: 2 shards, the trainer, the replica and this client share the
+machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, machine, parser, table  # noqa: E402 - benchmarks/common.py
+
+DEFAULT_DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" /
+                                   "ml-100k"))
+TABLES = "user,item,user_bias,item_bias"
+
+
+def _train(servers: str, data_dir: str, seconds: float, out: str) -> None:
+    """The trainer (a spawned process): MF steps for ``seconds`` seconds; its steps/s to ``out``."""
+    import torch
+
+    from shardps.apps.movielens import MF
+    from shardps.worker import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    rows = [line.split("\t") for line in (Path(data_dir) / "u.data").read_text().splitlines() if line]
+    users = torch.tensor([int(r[0]) for r in rows])
+    items = torch.tensor([int(r[1]) for r in rows])
+    ratings = torch.tensor([float(r[2]) for r in rows])
+    model = MF(32, 0.01, float(ratings.mean()))
+    dist = DistributedOptimizer(torch.optim.Adam([model.global_bias], lr=1e-3), model.named_parameters(),
+                                servers=servers, model=model, worker_id="trainer",
+                                sparse_optimizer=torch.optim.Adagrad([model.user.handle, model.item.handle,
+                                                                      model.user_bias.handle, model.item_bias.handle],
+                                                                     lr=0.02))
+    g = torch.Generator().manual_seed(0)
+    steps, started = 0, time.monotonic()
+    try:
+        while time.monotonic() - started < seconds:
+            batch = torch.randint(0, users.numel(), (256,), generator=g)
+            dist.zero_grad()
+            (model(users[batch], items[batch])[0] - ratings[batch]).pow(2).mean().backward()
+            dist.step()
+            steps += 1
+        dist.synchronize()
+        elapsed = time.monotonic() - started
+    finally:
+        dist.close()
+    Path(out).write_text(json.dumps({"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed}))
+
+
+def _warm(servers: str, data_dir: str) -> None:
+    """A few steps first, so that every table exists on the shards before the replica starts."""
+    _train(servers, data_dir, 1.0, os.devnull)
+
+
+def _query(address: str, seconds: float, qps: float) -> dict:
+    """Lookup and Score queries at ``qps`` in total for ``seconds``; latencies in ms by kind, and failures."""
+    import grpc
+    import torch
+
+    from shardps.common.rows import ids_bytes
+    from shardps.proto import shardps_pb2 as pb
+    from shardps.proto import shardps_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.ServingStub(channel)
+    g = torch.Generator().manual_seed(1)
+    lat = {"lookup": [], "score": []}
+    failed = {"lookup": 0, "score": 0}
+    started, k = time.monotonic(), 0
+    try:
+        while time.monotonic() - started < seconds:
+            due = started + k / qps
+            if due > time.monotonic():
+                time.sleep(due - time.monotonic())
+            kind = "lookup" if k % 2 == 0 else "score"
+            if kind == "lookup":
+                request, call = pb.LookupRequest(table="user", ids=ids_bytes(torch.randint(1, 944, (2000,),
+                                                                                          generator=g))), stub.Lookup
+            else:
+                request, call = pb.ScoreRequest(user=int(torch.randint(1, 944, (1,), generator=g)),
+                                                items=ids_bytes(torch.randint(1, 1683, (100,), generator=g))), \
+                    stub.Score
+            sent = time.perf_counter()
+            try:
+                call(request, timeout=5)
+                lat[kind].append(1e3 * (time.perf_counter() - sent))
+            except grpc.RpcError:
+                failed[kind] += 1
+            k += 1
+    finally:
+        channel.close()
+    out = {}
+    for kind, values in lat.items():
+        q = statistics.quantiles(values, n=100) if len(values) >= 2 else [float("nan")] * 99
+        out[kind] = {"answered": len(values), "failed": failed[kind], "p50_ms": q[49], "p99_ms": q[98]}
+    return out
+
+
+def run(kind: str, args, out_dir: str) -> dict:
+    """One run: training alone, or served (with ``shardps serve`` and the client)."""
+    from shardps.cli.serve import wait_for
+    from shardps.worker.cluster import LocalCluster
+
+    ctx = mp.get_context("spawn")
+    with LocalCluster(2, min_workers=1, extra_args=("--threads", "1")) as cluster:
+        _warm(cluster.servers, str(args.data_dir))
+        serve = None
+        try:
+            if kind == "served":
+                serve = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers",
+                                          cluster.servers, "--tables", TABLES, "--period", "0.5"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                lines = iter(serve.stdout.readline, "")
+                address = wait_for(lines, "serving on ")
+                wait_for(lines, "serving tables ")
+            out = os.path.join(out_dir, f"{kind}.json")
+            trainer = ctx.Process(target=_train, args=(cluster.servers, str(args.data_dir), args.seconds, out))
+            trainer.start()
+            queries = _query(address, args.seconds, args.qps) if serve is not None else None
+            trainer.join(args.seconds + 120)
+            if trainer.exitcode != 0:
+                raise RuntimeError(f"the trainer failed (exit {trainer.exitcode})")
+            result = {"kind": kind, **json.loads(Path(out).read_text())}
+            if queries is not None:
+                result["queries"] = queries
+        finally:
+            if serve is not None:
+                serve.terminate()
+                serve.wait(30)
+    return result
+
+
+def main() -> None:
+    """Interleave the runs, print the table and the goals, write the JSON."""
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA, help=f"the ml-100k folder (default {DEFAULT_DATA})")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds of training per run (default 20)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved (alone, served) pairs (default 2)")
+    p.add_argument("--qps", type=float, default=200.0, help="queries per second in total (default 200)")
+    args = p.parse_args()
+    if not (args.data_dir / "u.data").is_file():
+        raise SystemExit(f"{args.data_dir / 'u.data'} not found: pass --data-dir PATH/ml-100k")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="shardps-serving-") as tmp:
+        for repeat in range(args.repeats):
+            for kind in ("alone", "served"):
+                runs.append({**run(kind, args, tmp), "repeat": repeat})
+                print(f"repeat {repeat + 1} {kind}: {runs[-1]['steps_per_s']:.1f} steps/s"
+                      + (f", queries {runs[-1]['queries']}" if "queries" in runs[-1] else ""), flush=True)
+    alone = statistics.median(r["steps_per_s"] for r in runs if r["kind"] == "alone")
+    served = [r for r in runs if r["kind"] == "served"]
+    trained = statistics.median(r["steps_per_s"] for r in served)
+    lookup99 = statistics.median(r["queries"]["lookup"]["p99_ms"] for r in served)
+    score99 = statistics.median(r["queries"]["score"]["p99_ms"] for r in served)
+    failed = sum(r["queries"][k]["failed"] for r in served for k in ("lookup", "score"))
+    rows = [[r["repeat"] + 1, r["kind"], f"{r['steps_per_s']:.1f}",
+             f"{r['queries']['lookup']['p50_ms']:.2f} / {r['queries']['lookup']['p99_ms']:.2f}" if "queries" in r
+             else "", f"{r['queries']['score']['p50_ms']:.2f} / {r['queries']['score']['p99_ms']:.2f}"
+             if "queries" in r else ""] for r in runs]
+    print(table(rows, ["repeat", "run", "training steps/s", "lookup 2,000 ids p50 / p99 ms",
+                       "score 100 items p50 / p99 ms"]))
+    slowdown = 1 - trained / alone
+    print(f"training with the replica subscribed: {trained:.1f} steps/s against {alone:.1f} alone ({100 * slowdown:.0f}% "
+          f"slower; goal at most 20%); lookup p99 {lookup99:.2f} ms (goal 5), score p99 {score99:.2f} ms (goal 10) "
+          f"at {args.qps:g} queries/s; {failed} queries failed")
+    emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "runs": runs, "alone_steps_per_s": alone,
+          "served_steps_per_s": trained, "slowdown": slowdown, "lookup_p99_ms": lookup99, "score_p99_ms": score99,
+          "failed": failed, "machine": machine()}, args.json)
+
+
+if __name__ == "__main__":
+    main()
