@@ -25,6 +25,7 @@ DASHBOARD_PATH = Path(__file__).resolve().with_name("shardps.json")
 
 SHARDS = 'job="shardps-shards"'
 WORKERS = 'job="shardps-workers"'
+REPLICAS = 'job="shardps-replicas"'
 RATE = "$__rate_interval"
 
 
@@ -105,6 +106,23 @@ PANELS: tuple[Panel, ...] = (
           )),
     Panel("Optimizer update time", "Time the shard's optimizer update of one round takes (p50, p99).", "s",
           _quantiles("shardps_shard_update_seconds", SHARDS, "shard", "shard {{shard}}")),
+    Panel("Serving: state age", "Freshness of each serving replica: seconds since it swapped in the state it "
+          "serves (a refresh every --period; it grows while refreshes fail, and the replica answers from its "
+          "last state).", "s", (
+              Query(f"max by (instance) (shardps_serving_state_age_seconds{{{REPLICAS}}})", "{{instance}}"),
+          )),
+    Panel("Serving: call latency", "Duration of shardps.v1.Serving calls on the replicas by method (p50, p99).",
+          "s", _quantiles("shardps_serving_call_seconds", REPLICAS, "method", "{{method}}")),
+    Panel("Serving: calls per second", "Serving calls the replicas answered per second, by method and gRPC code "
+          "(UNAVAILABLE: before the first state; INVALID_ARGUMENT, NOT_FOUND: bad requests).", "ops", (
+              Query(f"sum by (method, code) (rate(shardps_serving_calls_total{{{REPLICAS}}}[{RATE}]))",
+                    "{{method}} {{code}}"),
+          )),
+    Panel("Serving: delta bytes per second", "Row and id bytes each replica's refreshes receive from the training "
+          "shards (touched rows only; a table read whole counts whole).", "Bps", (
+              Query(f"sum by (instance) (rate(shardps_serving_delta_bytes_total{{{REPLICAS}}}[{RATE}]))",
+                    "{{instance}}"),
+          )),
 )
 
 _DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -146,7 +164,8 @@ def build() -> dict:
     return {
         "title": "shardps",
         "uid": "shardps",
-        "description": "shardps parameter server: shards (job shardps-shards) and workers (job shardps-workers).",
+        "description": "shardps parameter server: shards (job shardps-shards), workers (job shardps-workers) and "
+                       "serving replicas (job shardps-replicas).",
         "tags": ["shardps", "pytorch", "parameter-server"],
         "editable": True,
         "graphTooltip": 1,

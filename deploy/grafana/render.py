@@ -1,6 +1,7 @@
 """Draw the Grafana dashboard's panels with matplotlib from a Prometheus (the README's picture).
 
-    # from a real run on this machine: shards, a digits job and Prometheus on loopback (needs `prometheus`)
+    # from a real run on this machine: shards, a digits job, a serving replica and Prometheus on loopback
+    # (needs `prometheus`)
     python deploy/grafana/render.py --run --out docs/images/dashboard.png
     # from a Prometheus that already scraped a job: the last 30 minutes, or --start/--end (Unix seconds)
     python deploy/grafana/render.py --prometheus http://localhost:9090 --minutes 30 --out dashboard.png
@@ -121,7 +122,8 @@ def draw(panels: list[dict], out: Path, title: str) -> None:
 
 
 def _run(args: argparse.Namespace, model: dict, cluster_factory=None) -> None:
-    """Start shards, Prometheus and a digits job on loopback, wait for the job, then draw its whole run.
+    """Start shards, Prometheus, a serving replica and a digits job on loopback, wait for the job, then draw its
+    whole run.
 
     ``cluster_factory``: as :class:`stack.MonitoringStack` takes it (default ``LocalCluster``).
     """
@@ -151,7 +153,7 @@ def _run(args: argparse.Namespace, model: dict, cluster_factory=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", action="store_true", help="start shards, a digits job and Prometheus here")
+    source.add_argument("--run", action="store_true", help="start shards, a digits job, a replica and Prometheus here")
     source.add_argument("--prometheus", help="URL of a Prometheus that scraped a job (e.g. http://localhost:9090)")
     p.add_argument("--out", type=Path, default=Path("dashboard.png"), help="PNG to write (default dashboard.png)")
     p.add_argument("--dashboard", type=Path, default=DASHBOARD_PATH, help="dashboard JSON (default shardps.json)")

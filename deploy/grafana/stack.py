@@ -1,4 +1,4 @@
-"""A real monitoring stack on loopback: shards, a ``shardps train digits`` job and Prometheus scraping both.
+"""A real monitoring stack on loopback: shards, a ``shardps train digits`` job, a serving replica and Prometheus.
 
 Used by tests/deploy/test_monitoring.py (every dashboard query and alert
 expression must return data) and by ``render.py --run`` (the README's
@@ -10,20 +10,27 @@ the intervals are shortened. Shards serve metrics with ``--metrics-port 0``
 (their ``... metrics on HOST:PORT`` lines, read by ``LocalCluster``); each
 worker is a ``shardps train digits --worker-index I --metrics-port 0``
 process whose ``worker I metrics on HOST:PORT`` line adds it to the
-workers' target file while it runs.
+workers' target file while it runs. The digits job has no tables to serve,
+so the replica (``shardps serve --metrics-port 0``) follows a small job of
+its own (:class:`ServingLoad`).
 
 Needs the ``prometheus`` binary (Debian/Ubuntu: ``apt-get install prometheus``)
 and PyYAML. Every process started here is stopped by :meth:`MonitoringStack.stop`.
+
+    python stack.py train-factorisation --servers HOST:PORT   # the serving load's trainer (ServingLoad starts it)
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
 import re
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -39,7 +46,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ALERTS_YML = REPO_ROOT / "deploy" / "prometheus" / "alerts.yml"
-SHARD_JOB, WORKER_JOB = "shardps-shards", "shardps-workers"
+SHARD_JOB, WORKER_JOB, REPLICA_JOB = "shardps-shards", "shardps-workers", "shardps-replicas"
+#: The MovieLens factorisation's tables (``shardps.apps.movielens.MF``): what the replica serves, what Score needs.
+SERVING_TABLES = ("user", "item", "user_bias", "item_bias")
 #: What a shard (``shardps-server shard I/N metrics on H:P``) or a worker (``worker I metrics on H:P``) prints.
 METRICS_LINE = re.compile(r"metrics on (\S+):(\d+)\s*$")
 _WILDCARDS = {"0.0.0.0", "::", "[::]", ""}
@@ -309,6 +318,165 @@ class TrainingJob:
                 proc.stdout.close()
 
 
+class ServingLoad:
+    """What the dashboard's serving panels plot: ``shardps serve --metrics-port 0`` and a client calling it.
+
+    The replica follows a job of its own on one more shard: a process (``python stack.py
+    train-factorisation``) stepping the MovieLens factorisation on random ratings every ``step_every``
+    seconds. A client thread here sends a ``Lookup`` of 64 user ids and a ``Score`` of a user against 32
+    items every ``query_every`` seconds; calls before the replica's first state end UNAVAILABLE and are
+    counted so (``calls``). ``on_metrics("host:port")`` is called (from a reader thread) when the replica
+    serves metrics; ``ready`` is set once it has read its first state.
+
+    Raises (from :meth:`start`):
+        RuntimeError: the shard did not start, or the replica printed no ``serving on`` and ``metrics on``
+            lines within ``start_timeout`` seconds (the message holds the end of its log).
+    """
+
+    def __init__(self, logdir: Path, cluster_factory, *, period: float = 0.5, step_every: float = 0.2,
+                 query_every: float = 0.1, start_timeout: float = 60.0,
+                 on_metrics: Callable[[str], None] | None = None):
+        self.logdir, self.cluster_factory, self.period = Path(logdir), cluster_factory, period
+        self.step_every, self.query_every, self.start_timeout = step_every, query_every, start_timeout
+        self.on_metrics = on_metrics
+        self.cluster = self.trainer = self.replica = None
+        self.address = self.metrics_address = None
+        self.lines: list[str] = []
+        self.calls = {"answered": 0, "refused": 0}
+        self.exit_codes: dict[str, int | None] = {}
+        self.ready = threading.Event()
+        self._listening = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "ServingLoad":
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.cluster = self.cluster_factory(1, min_workers=1).start()
+            with open(self.logdir / "trainer.log", "ab") as log:
+                self.trainer = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "train-factorisation", "--servers",
+                     self.cluster.servers, "--step-every", f"{self.step_every:g}"],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            with open(self.logdir / "replica.log", "ab") as log:
+                self.replica = subprocess.Popen(
+                    [sys.executable, "-m", "shardps.cli.main", "serve", "--servers", self.cluster.servers,
+                     "--tables", ",".join(SERVING_TABLES), "--period", f"{self.period:g}", "--dense-every", "2",
+                     "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
+            self._spawn(self._read, "replica-stdout")
+            self._listening.wait(self.start_timeout)
+            if not (self.address and self.metrics_address):
+                raise RuntimeError(f"the replica printed no 'serving on' and 'metrics on' lines within "
+                                   f"{self.start_timeout:.0f}s (exit code {self.replica.poll()}):\n{self.log_tail()}")
+            self._spawn(self._query, "replica-client")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, daemon=True, name=name)
+        thread.start()
+        self._threads.append(thread)
+
+    def _read(self) -> None:
+        try:
+            for line in self.replica.stdout:  # ends at EOF: the replica exited or was killed
+                line = line.rstrip("\n")
+                self.lines.append(line)
+                if line.startswith("serving on "):
+                    self.address = line[len("serving on "):].strip()
+                elif self.metrics_address is None and (m := METRICS_LINE.search(line)):
+                    self.metrics_address = scrape_address(m.group(1), m.group(2))
+                    if self.on_metrics is not None:
+                        self.on_metrics(self.metrics_address)
+                elif line.startswith("serving tables "):
+                    self.ready.set()
+                if self.address and self.metrics_address:
+                    self._listening.set()
+        finally:
+            self._listening.set()  # an exited replica: start() need not wait out its timeout
+
+    def _query(self) -> None:
+        import grpc
+
+        from shardps.proto import shardps_pb2 as pb
+        from shardps.proto import shardps_pb2_grpc as pb_grpc
+
+        users, items = struct.pack("<64q", *range(64)), struct.pack("<32q", *range(32))
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.ServingStub(channel)
+            while not self._stop.wait(self.query_every):
+                for call, request in ((stub.Lookup, pb.LookupRequest(table="user", ids=users)),
+                                      (stub.Score, pb.ScoreRequest(user=1, items=items))):
+                    try:
+                        call(request, timeout=5)
+                        self.calls["answered"] += 1
+                    except grpc.RpcError:  # UNAVAILABLE before the first state: the metrics count it too
+                        self.calls["refused"] += 1
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = (self.logdir / "replica.log").read_text(errors="replace")
+        except OSError:
+            text = ""
+        return "\n".join((self.lines + text.splitlines())[-lines:])
+
+    def stop(self) -> None:
+        """Stop the client, SIGTERM the replica and the trainer (SIGKILL after 10 s), then stop the shard."""
+        self._stop.set()
+        try:
+            for proc in (self.replica, self.trainer):
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + 10
+            for name, proc in (("replica", self.replica), ("trainer", self.trainer)):
+                if proc is None:
+                    continue
+                try:
+                    self.exit_codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    self.exit_codes[name] = proc.wait()
+            for thread in self._threads:
+                thread.join(timeout=10)
+            if self.replica is not None and self.replica.stdout:
+                self.replica.stdout.close()
+        finally:
+            if self.cluster is not None:
+                self.cluster.stop()
+
+
+def train_factorisation(servers: str, step_every: float, dim: int = 8) -> int:
+    """The serving load's trainer: the MovieLens factorisation (``shardps.apps.movielens.MF``) on random ratings
+    of 100 users and 200 items, a batch of 32 every ``step_every`` seconds, until SIGTERM; returns 0."""
+    import torch
+
+    from shardps.apps.movielens import MF
+    from shardps.worker import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    model = MF(dim, 0.1, 3.5)
+    dist = DistributedOptimizer(torch.optim.SGD([model.global_bias], lr=0.01), model.named_parameters(),
+                                servers=servers, model=model, worker_id="serving-load",
+                                sparse_optimizer=torch.optim.Adagrad([model.user.handle, model.item.handle,
+                                                                      model.user_bias.handle,
+                                                                      model.item_bias.handle], lr=0.05))
+    g = torch.Generator().manual_seed(0)
+    try:
+        while not stop.wait(step_every):
+            users, items = torch.randint(0, 100, (32,), generator=g), torch.randint(0, 200, (32,), generator=g)
+            ratings = torch.randint(1, 6, (32,), generator=g).float()
+            dist.zero_grad()
+            (model(users, items)[0] - ratings).pow(2).mean().backward()
+            dist.step()
+    finally:
+        dist.close()
+    return 0
+
+
 class MonitoringStack:
     """Shards, Prometheus and a training job on loopback; a context manager that stops all of them.
 
@@ -320,9 +488,12 @@ class MonitoringStack:
         cluster_factory: ``factory(num_shards, min_workers=..., extra_args=...)`` returning an unstarted
             ``LocalCluster`` (default ``shardps.worker.cluster.LocalCluster``; the tests pass ``ForkedCluster``).
         extra_worker_args: more ``shardps train digits`` flags (e.g. ``("--staleness", "2")``).
+        serving: also start a :class:`ServingLoad` (a replica of a small job of its own, scraped as job
+            ``shardps-replicas``, and a client calling it).
 
     Attributes:
-        cluster, prometheus, job: the parts, once started (``job`` after :meth:`start_job`).
+        cluster, prometheus, job, replica: the parts, once started (``job`` after :meth:`start_job`;
+            ``replica``, the :class:`ServingLoad`, only with ``serving``).
 
     Raises (from :meth:`start`):
         RuntimeError: a shard or Prometheus did not start, or a shard reported no metrics endpoint.
@@ -330,18 +501,20 @@ class MonitoringStack:
 
     def __init__(self, workdir: Path, *, shards: int = 2, workers: int = 2, epochs: int = 20, mode: str = "sync",
                  scrape_interval: float = 1.0, checkpoint_every_rounds: int = 10, cluster_factory=None,
-                 extra_worker_args: tuple[str, ...] = ()):
-        self.workdir = Path(workdir)
+                 extra_worker_args: tuple[str, ...] = (), serving: bool = True):
+        self.workdir, self.serving = Path(workdir), serving
         self.shards, self.workers, self.epochs, self.mode = shards, workers, epochs, mode
         self.scrape_interval, self.checkpoint_every_rounds = scrape_interval, checkpoint_every_rounds
         self.cluster_factory, self.extra_worker_args = cluster_factory, tuple(extra_worker_args)
         self.targets_files = {SHARD_JOB: self.workdir / "targets-shards.json",
-                              WORKER_JOB: self.workdir / "targets-workers.json"}
-        self.cluster = self.prometheus = self.job = None
+                              WORKER_JOB: self.workdir / "targets-workers.json",
+                              REPLICA_JOB: self.workdir / "targets-replicas.json"}
+        self.cluster = self.prometheus = self.job = self.replica = None
         self._lock = threading.Lock()
 
     def start(self) -> "MonitoringStack":
-        """Start the shards (metrics on), then Prometheus scraping them; the workers come with :meth:`start_job`."""
+        """Start the shards (metrics on), then Prometheus scraping them, then the serving load (with ``serving``);
+        the workers come with :meth:`start_job`."""
         if self.cluster_factory is None:
             from shardps.worker.cluster import LocalCluster
             self.cluster_factory = LocalCluster
@@ -353,12 +526,16 @@ class MonitoringStack:
             shard_targets = shard_metrics_addresses(self.cluster)
             write_targets(self.targets_files[SHARD_JOB], shard_targets)
             write_targets(self.targets_files[WORKER_JOB], [])
+            write_targets(self.targets_files[REPLICA_JOB], [])
             config = loopback_config(
                 load_config(),
                 {job: {"file_sd_configs": [{"files": [str(path)], "refresh_interval": "1s"}]}
                  for job, path in self.targets_files.items()},
                 interval=f"{self.scrape_interval:g}s", rule_files=[ALERTS_YML])
             self.prometheus = Prometheus(config, self.workdir / "prometheus").start()
+            if self.serving:
+                self.replica = ServingLoad(self.workdir / "serving", self.cluster_factory, on_metrics=lambda a: (
+                    write_targets(self.targets_files[REPLICA_JOB], [a]))).start()
         except BaseException:
             self.stop()
             raise
@@ -392,17 +569,21 @@ class MonitoringStack:
         return self.job.start()
 
     def stop(self) -> None:
-        """Stop the workers, Prometheus and the shards (each even if another fails to stop)."""
+        """Stop the workers, the serving load, Prometheus and the shards (each even if another fails to stop)."""
         try:
             if self.job is not None:
                 self.job.stop()
         finally:
             try:
-                if self.prometheus is not None:
-                    self.prometheus.stop()
+                if self.replica is not None:
+                    self.replica.stop()
             finally:
-                if self.cluster is not None:
-                    self.cluster.stop()
+                try:
+                    if self.prometheus is not None:
+                        self.prometheus.stop()
+                finally:
+                    if self.cluster is not None:
+                        self.cluster.stop()
 
     def __enter__(self) -> "MonitoringStack":
         return self.start()
@@ -425,3 +606,17 @@ def shard_metrics_addresses(cluster) -> list[str]:
         raise RuntimeError(f"expected {cluster.num_shards} shard metrics endpoints ('... metrics on HOST:PORT' "
                            f"lines), got {addresses}")
     return [scrape_address(*a.rsplit(":", 1)) for a in addresses]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="helper processes of the monitoring stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+    trainer = sub.add_parser("train-factorisation", help="the serving load's trainer (ServingLoad starts it)")
+    trainer.add_argument("--servers", required=True, help="the shards host:port,... in shard order")
+    trainer.add_argument("--step-every", type=float, default=0.2, help="seconds between two steps (default 0.2)")
+    args = parser.parse_args(argv)
+    return train_factorisation(args.servers, args.step_every)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,9 @@ The live test runs each container's own command and arguments, expanded the
 way the kubelet expands ``$(VAR)`` with the container's environment, as real
 processes on 127.0.0.1. Only what a pod gets from its surroundings is
 replaced: pod index, bind host, ports, checkpoint volume, namespace, the
-rendezvous address and the job's scale (one worker node), plus ``--epochs``.
+rendezvous address, the shards' addresses and the job's scale (one worker
+node), plus ``--epochs``. The serving replicas' tables come from a job of
+the test's own once the digits job is over (digits has none).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +41,9 @@ K8S_VERSION = kubernetes_validate.latest_version()  # the newest schemas the pac
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
 SHARD_PORTS = {"grpc": 50051, "health": 50052, "metrics": 9100}  # names and numbers fixed by the spec
+REPLICA_PORTS = {"grpc": 50060, "metrics": 9102}  # Serving and gRPC health on one port (shardps serve)
+SERVE_GRACE_SECONDS = 5  # what `shardps serve` gives the calls in flight after SIGTERM (cli/serve.py)
+TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file")
 CHECKPOINT_ALLOWANCE_SECONDS = 30  # the least time a final checkpoint (after a scheduled one) may need
 ONE_WORKER = {"SHARDPS_MIN_WORKERS": "1", "SHARDPS_MAX_WORKERS": "1"}  # the live test's job: one worker node
 START_TIMEOUT, WORKER_TIMEOUT, STOP_TIMEOUT = 60.0, 120.0, 30.0  # seconds
@@ -138,6 +144,17 @@ def worker_command(docs: dict, namespace: str = "default"):
     return argv, launcher, shardps
 
 
+def replica_command(docs: dict):
+    """``(argv, parsed args)`` of the replica Deployment's container, parsed by the real ``shardps`` parser."""
+    container = the_container(docs["Deployment", "shardps-replica"])
+    argv = command_line(container, container_env(container, _configmaps(docs), {}))
+    assert argv[0] == "shardps"
+    try:
+        return argv, worker_cli._parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"shardps refuses the replica Deployment's arguments {argv[1:]} (message in stderr)")
+
+
 # --- static checks ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlay", ["base", "tls"])
@@ -156,7 +173,7 @@ def test_kustomizations_name_every_file():
     for overlay in ("base", "tls"):
         k = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
         named = {r for r in k.get("resources", []) if not (K8S / overlay / r).is_dir()}
-        named |= {p["path"] for p in k.get("patches", [])}
+        named |= {p["path"] for p in k.get("patches", []) if "path" in p}  # (or inline: "patch")
         present = {p.name for p in (K8S / overlay).glob("*.yaml")} - {"kustomization.yaml"}
         assert named == present, f"deploy/k8s/{overlay}: files {sorted(present - named)} are not in its kustomization"
 
@@ -237,12 +254,60 @@ def test_worker_job_is_elastic_torchrun_against_the_shards(base):
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
 
 
+def test_replica_deployment_reads_every_shard_and_is_ready_once_it_serves(base):
+    cm = base["ConfigMap", "shardps"]["data"]
+    deployment = base["Deployment", "shardps-replica"]
+    spec, pod = deployment["spec"], deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert labels[NAME] == "shardps" and labels[COMPONENT] == "replica"
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert spec["replicas"] >= 2, "one replica restarting or rolled must not stop serving"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, "a new replica reads the tables before it serves"
+    for other in ("shardps-shard", "shardps-worker"):
+        assert not base["Service", other]["spec"]["selector"].items() <= labels.items(), f"{other} selects replicas"
+
+    container = the_container(deployment)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == REPLICA_PORTS
+    _, args = replica_command(base)
+    assert args.command == "serve"
+    assert ",".join(args.servers) == cm["SHARDPS_SERVERS"], "a replica reads every shard, in shard order"
+    tables = args.tables.split(",")
+    assert tables == cm["SHARDPS_SERVING_TABLES"].split(",") and all(tables) and len(set(tables)) == len(tables)
+    assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", ports["grpc"], ports["metrics"])
+    assert args.period >= 0.05
+
+    # Ready (gRPC health SERVING) once the first state is read; alive while it waits for its tables.
+    assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"]}, "readiness asks gRPC health"
+    assert container["livenessProbe"]["tcpSocket"] == {"port": ports["grpc"]}, (
+        "liveness must not ask gRPC health: a replica waiting for its tables says NOT_SERVING and is alive")
+    assert "startupProbe" not in container
+    assert pod["spec"]["terminationGracePeriodSeconds"] > SERVE_GRACE_SECONDS
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+
+    serving = base["Service", "shardps-replica"]["spec"]
+    assert serving["selector"].items() <= labels.items()
+    assert serving.get("clusterIP") != "None" and not serving.get("publishNotReadyAddresses"), \
+        "clients must reach ready replicas only"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in serving["ports"]] == [("grpc", ports["grpc"], "grpc")]
+    scraped = base["Service", "shardps-replica-metrics"]["spec"]
+    assert scraped["selector"].items() <= labels.items()
+    assert scraped.get("clusterIP") == "None" and scraped["publishNotReadyAddresses"] is True, \
+        "Prometheus scrapes every replica, ready or not"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in scraped["ports"]] == [
+        ("metrics", ports["metrics"], "metrics")]
+
+
 def test_pods_are_non_root_bounded_and_match_the_image(base):
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     user = re.search(r"^USER (\d+):(\d+)\s*$", dockerfile, re.M)
     assert user, "deploy/Dockerfile must name its user by number (runAsNonRoot cannot check a name)"
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", dockerfile, re.M) for p in line.split()}
-    for key in (("StatefulSet", "shardps-shard"), ("Job", "shardps-worker")):
+    workloads = [key for key in base if key[0] in ("StatefulSet", "Deployment", "Job", "DaemonSet")]
+    assert set(workloads) == {("StatefulSet", "shardps-shard"), ("Job", "shardps-worker"),
+                              ("Deployment", "shardps-replica")}
+    for key in workloads:
         pod = base[key]["spec"]["template"]["spec"]
         context = pod["securityContext"]
         assert context["runAsNonRoot"] is True
@@ -252,6 +317,29 @@ def test_pods_are_non_root_bounded_and_match_the_image(base):
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(container["resources"][kind]), f"{key}: {kind} for cpu and memory"
         assert {p["containerPort"] for p in container["ports"]} <= exposed, f"{key}: ports the image does not EXPOSE"
+
+
+def test_image_holds_every_package_folder():
+    """The Dockerfile copies every folder pyproject.toml maps into ``shardps`` (without cli/: no ``shardps``)."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY (\S+) \./\1\s*$", dockerfile, re.M))
+    assert folders <= copied, f"deploy/Dockerfile does not COPY {sorted(folders - copied)}"
+    assert re.search(r'^RUN pip install "\.\[apps\]"', dockerfile, re.M), "`shardps train digits` needs the apps extra"
+
+
+def test_tls_overlay_leaves_out_the_replicas_while_serve_has_no_tls_flags():
+    """The one exemption from TLS in deploy/k8s/tls: ``shardps serve`` takes no TLS or token flags yet, so a
+    replica could not read shards that require them, and the overlay deletes the replicas (inline patches).
+    When serve takes the flags this test fails: patch them into the replicas as into the workers instead."""
+    docs = objects(K8S / "tls")
+    left = [key for key, d in docs.items() if d["metadata"].get("labels", {}).get(COMPONENT) == "replica"]
+    assert not left, f"deploy/k8s/tls keeps plaintext replicas {left}"
+    assert ("StatefulSet", "shardps-shard") in docs and ("ConfigMap", "shardps") in docs
+    argv, _ = replica_command(objects(K8S / "base"))
+    asked = [f"{flag}=/etc/shardps/tls/file" for flag in TLS_FLAGS]
+    _, unknown = worker_cli._parser().parse_known_args(argv[1:] + asked)
+    assert unknown == asked, "shardps serve takes TLS flags now: add them to the replicas in deploy/k8s/tls"
 
 
 def test_tls_overlay_mounts_every_file_its_flags_name(tmp_path):
@@ -320,13 +408,85 @@ def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return [f"{flag}={value}" if i == hits[0] else a for i, a in enumerate(argv)]
 
 
+def _train_tables(servers: str, tables: list[str]) -> None:
+    """A job of the test's own whose model has ``tables``, one step, on shards whose job is over (reset first)."""
+    import torch
+    from torch import nn
+
+    from shardps.worker import DistributedOptimizer, ShardedEmbedding
+    from shardps.worker.session.client import ShardClient
+
+    for index, address in enumerate(servers.split(",")):
+        client = ShardClient(address, index=index)
+        try:
+            client.reset()  # the digits job is over: a new job may join
+        finally:
+            client.close()
+    model = nn.ModuleDict({name: ShardedEmbedding(None, 4, name=name) for name in tables})
+    model.bias = nn.Parameter(torch.zeros(1))
+    dist = DistributedOptimizer(torch.optim.SGD([model.bias], lr=0.1), [("bias", model.bias)], servers=servers,
+                                model=model, worker_id="tables-job",
+                                sparse_optimizer=torch.optim.SGD([model[name].handle for name in tables], lr=1.0))
+    try:
+        dist.zero_grad()
+        ids = torch.arange(8)
+        (sum(model[name](ids).pow(2).sum() for name in tables) + model.bias.sum()).backward()
+        dist.step()
+        dist.tables.settle(tables[0])
+    finally:
+        dist.close()
+
+
+def _check_replica(base: dict, addresses: list[str], tmp_path: Path, started: list, logs: list) -> None:
+    """The replica Deployment's exact command against the live shards: NOT_SERVING while they hold none of its
+    tables (the digits job has none), SERVING once a job with them has trained; SIGTERM: exit 0."""
+    import torch
+
+    from shardps.common.rows import ids_bytes
+    from shardps.proto import shardps_pb2 as pb
+    from shardps.proto import shardps_pb2_grpc as pb_grpc
+
+    configmaps = _configmaps(base)
+    replica = the_container(base["Deployment", "shardps-replica"])
+    assert shutil.which(replica["command"][0]), f"{replica['command'][0]} is not on PATH: pip install -e ."
+    env = container_env(replica, configmaps, {}, {
+        "SHARDPS_SERVERS": ",".join(addresses), "SHARDPS_HOST": "127.0.0.1", "SHARDPS_SERVING_PORT": "0",
+        "SHARDPS_REPLICA_METRICS_PORT": "0"})
+    logs.append(open(tmp_path / "replica.log", "wb"))
+    proc = subprocess.Popen(command_line(replica, env), env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=logs[-1], bufsize=0)
+    started.append(proc)
+    out = _read_until(proc, re.compile(r"^metrics on \S+:\d+$", re.M), time.monotonic() + START_TIMEOUT, "replica")
+    found = {m.group(1): m.group(2) for m in re.finditer(r"^(serving|metrics) on (\S+:\d+)$", out, re.M)}
+    assert set(found) == {"serving", "metrics"}, f"the replica printed {out!r}"
+    tables = configmaps["shardps"]["SHARDPS_SERVING_TABLES"].split(",")
+    with grpc.insecure_channel(found["serving"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING, "ready before it read its tables"
+        _train_tables(",".join(addresses), tables)
+        _read_until(proc, re.compile(r"^serving tables ", re.M), time.monotonic() + START_TIMEOUT, "replica")
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        ids = ids_bytes(torch.arange(3))
+        reply = pb_grpc.ServingStub(channel).Lookup(pb.LookupRequest(table=tables[-1], ids=ids), timeout=10)
+        assert reply.state >= 1 and reply.dim == 4 and len(reply.rows) == 3 * 4 * 4
+    with urllib.request.urlopen(f"http://{found['metrics']}/metrics", timeout=10) as page:
+        state = re.search(r"^shardps_serving_state (\S+)$", page.read().decode(), re.M)
+    assert state and float(state.group(1)) >= 1, "the replica's metrics do not show its state"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=STOP_TIMEOUT) == 0, f"replica: {(tmp_path / 'replica.log').read_text()[-2000:]}"
+
+
 def test_manifest_commands_serve_train_and_stop_on_loopback(tmp_path, base):
     """Shard pods (exact command, env-expanded args) serve health and metrics, the worker Job's exact torchrun
-    command trains one epoch against them, and SIGTERM stops every shard with exit 0 and a final checkpoint."""
+    command trains one epoch against them, the replica Deployment's exact command serves their tables once a job
+    that has them trained, SIGTERM stops it with exit 0, and every shard with exit 0 and a final checkpoint."""
     configmaps = _configmaps(base)
     shard = the_container(base["StatefulSet", "shardps-shard"])
     assert shutil.which(shard["command"][0]), f"{shard['command'][0]} is not on PATH: pip install -e ."
     shards: list[tuple[subprocess.Popen, Path, Path]] = []  # process, checkpoint volume, stderr log
+    replicas: list[subprocess.Popen] = []
     logs = []
     try:
         for index in range(int(configmaps["shardps"]["SHARDPS_NUM_SHARDS"])):
@@ -373,13 +533,15 @@ def test_manifest_commands_serve_train_and_stop_on_loopback(tmp_path, base):
         assert job.returncode == 0, f"the worker Job's command failed:\n{out[-4000:]}"
         assert re.search(r"^done .*test_accuracy=", out, re.M) and re.search(r"metrics on \S+:\d+", out), out[-4000:]
 
+        _check_replica(base, addresses, tmp_path, replicas, logs)
+
         for proc, _, _ in shards:
             proc.send_signal(signal.SIGTERM)
         for index, (proc, volume, log) in enumerate(shards):
             assert proc.wait(timeout=STOP_TIMEOUT) == 0, f"shard {index}: {log.read_text()[-2000:]}"
             assert any((volume / f"shard-{index}").iterdir()), f"shard {index} left no checkpoint in its volume"
     finally:
-        for proc, *_ in shards:
+        for proc in replicas + [proc for proc, *_ in shards]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()

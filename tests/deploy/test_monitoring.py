@@ -3,8 +3,8 @@
 Static checks run ``promtool`` (config, rules, the rules' unit tests in
 ``deploy/prometheus/alerts_test.yml``) and compare the committed dashboard
 JSON with its generator. The live test starts a real ``prometheus`` that
-scrapes real shards and a real ``shardps train digits`` job on loopback and runs every dashboard query
-and every alert expression (its threshold removed) through the HTTP API.
+scrapes real shards, a real ``shardps train digits`` job and a real ``shardps serve`` replica on loopback and
+runs every dashboard query and every alert expression (its threshold removed) through the HTTP API.
 The Prometheus tests need the ``prometheus`` package (``promtool`` and
 ``prometheus`` on PATH; ``.ci/run`` installs it) and fail without it.
 """
@@ -32,7 +32,7 @@ DISCOVERY_TIMEOUT = 30  # seconds for Prometheus to pick up targets (it applies 
 LIVE_TIMEOUT = 120  # seconds for every query of the live test to return data (a loaded 2-core CI machine)
 RATE_INTERVAL = "5s"  # $__rate_interval for a 1 s scrape interval (Grafana: max(4 x scrape, step + scrape))
 ALERTS = {"ShardDown", "ShardNoRoundProgress", "StalenessHigh", "LiveWorkersBelowMin", "CheckpointTooOld",
-          "ShardErrorRate"}
+          "ShardErrorRate", "ReplicaStateStale"}
 
 
 def _load(name: str):
@@ -49,7 +49,7 @@ def _load(name: str):
 dashboard = _load("dashboard")
 stack = _load("stack")
 
-JOBS = ("shardps-shards", "shardps-workers")
+JOBS = ("shardps-shards", "shardps-workers", "shardps-replicas")
 
 
 @pytest.fixture
@@ -215,7 +215,10 @@ def test_promtool_checks_rules_and_their_unit_tests():
      'shardps_shard_last_checkpoint_timestamp_seconds{job="shardps-shards"}'),  # shards that never checkpointed
     ('code!~"OK|CANCELLED"', 'code!="OK"'),  # cancelled calls as errors
     ('and\n  (shardps_shard_live_workers{job="shardps-shards"} > 0)\n) > 0', ") > 0"),  # idle shards alert
-], ids=["no-progress-while-advancing", "never-checkpointed", "cancelled-as-error", "below-min-without-workers"])
+    ('_state_age_seconds{job="shardps-replicas"} > 60',
+     '_state_age_seconds{job="shardps-replicas"} > 0'),  # a replica refreshing every half second alerts
+], ids=["no-progress-while-advancing", "never-checkpointed", "cancelled-as-error", "below-min-without-workers",
+        "fresh-replica-as-stale"])
 def test_alert_unit_tests_catch_a_broken_rule(tmp_path, old, new):
     """The unit tests are not vacuous: each of these edits of alerts.yml makes them fail."""
     folded = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
@@ -237,7 +240,7 @@ def test_promtool_checks_the_committed_config(tmp_path):
     checked = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
     output = checked.stdout + checked.stderr
     assert checked.returncode == 0, output
-    assert "SUCCESS: 1 rule files found" in output and "SUCCESS: 6 rules found" in output
+    assert "SUCCESS: 1 rule files found" in output and f"SUCCESS: {len(ALERTS)} rules found" in output
 
 
 @needs_promtool
@@ -259,13 +262,14 @@ def test_config_scrapes_the_metrics_ports_of_the_manifests_services():
     assert config["rule_files"] == ["alerts.yml"]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == set(JOBS)
-    docs = [d for f in ("shards.yaml", "workers.yaml")
+    docs = [d for f in ("shards.yaml", "workers.yaml", "replicas.yaml")
             for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / f).read_text()) if d]
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     workloads = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs
-                 if d["kind"] in ("StatefulSet", "Job")}
+                 if d["kind"] in ("StatefulSet", "Job", "Deployment")}
     for job, service, component in (("shardps-shards", "shardps-shard", "shard"),
-                                    ("shardps-workers", "shardps-worker", "worker")):
+                                    ("shardps-workers", "shardps-worker", "worker"),
+                                    ("shardps-replicas", "shardps-replica-metrics", "replica")):
         assert jobs[job]["dns_sd_configs"] == [{"names": [f"_metrics._tcp.{service}.default.svc.cluster.local"],
                                                 "type": "SRV", "refresh_interval": "30s"}]
         spec = services[service]["spec"]
@@ -322,13 +326,14 @@ def test_every_panel_has_a_query_on_the_datasource_variable():
 @needs_prometheus
 @pytest.mark.timeout(420)  # about 25 s on 2 idle cores; each wait below is bounded, together under 420 s
 def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_path):
-    """Real shards and ``shardps train digits`` workers scraped by a real Prometheus every second.
+    """Real shards, ``shardps train digits`` workers and a ``shardps serve`` replica (of a small job of its own,
+    called by a client) scraped by a real Prometheus every second.
 
     Waits (bounded) until every target is up at once and every dashboard query
     and every alert query (threshold removed) has returned at least one series
     over the recorded range, then stops the job; checks that the rules load
     and evaluate without errors, and a few values (rounds advance, both workers
-    counted live, step times positive).
+    counted live, step times positive, the replica's states advance and its calls are answered).
     """
     from tests.support.forked import ForkedCluster
 
@@ -343,7 +348,7 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_pa
         while (pending or not all_up) and time.monotonic() < deadline:
             targets = prometheus.targets()
             up = {(t["labels"]["job"], t["labels"]["instance"]) for t in targets if t["health"] == "up"}
-            all_up = all_up or len(up) == 4 and {j for j, _ in up} == set(JOBS)
+            all_up = all_up or len(up) == 5 and {j for j, _ in up} == set(JOBS)  # 2 shards, 2 workers, 1 replica
             for what, q in list(pending.items()):
                 if prometheus.query_range(q, start - 5, time.time(), 1):
                     del pending[what]
@@ -351,9 +356,11 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_pa
                 break  # the job ended before the last query had data: report below
             time.sleep(1)
         seen = [(t["labels"], t["health"], t["lastError"]) for t in targets]
-        assert all_up, f"not every target was up at once: {seen}\nworker 0:\n{job.log_tail(0)}"
+        assert all_up, (f"not every target was up at once: {seen}\nworker 0:\n{job.log_tail(0)}\n"
+                        f"replica:\n{live.replica.log_tail()}")
         assert not pending, (f"no data in {time.time() - start:.0f}s for: {json.dumps(pending, indent=1)}\n"
-                             f"worker exit codes {job.exit_codes()}\nworker 0:\n{job.log_tail(0)}")
+                             f"worker exit codes {job.exit_codes()}\nworker 0:\n{job.log_tail(0)}\n"
+                             f"replica:\n{live.replica.log_tail()}")
         end = time.time()
 
         def highest(expr: str) -> float:
@@ -367,6 +374,9 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_pa
         assert highest(f'min(shardps_shard_last_checkpoint_timestamp_seconds{{job="{stack.SHARD_JOB}"}})') > start - 60
         assert highest('histogram_quantile(0.5, sum by (le) (rate(shardps_worker_step_seconds_bucket[5s])))') > 0
         assert highest(f'count(up{{job="{stack.WORKER_JOB}"}} == 1)') == 2
+        assert live.replica.ready.is_set(), live.replica.log_tail()
+        assert highest(f'max(shardps_serving_state{{job="{stack.REPLICA_JOB}"}})') >= 2  # refreshed after the first
+        assert highest(f'sum(rate(shardps_serving_calls_total{{job="{stack.REPLICA_JOB}", code="OK"}}[5s]))') > 0
 
         rules = {rule["name"]: rule for rule in prometheus.rules()}
         assert set(rules) == ALERTS
@@ -382,3 +392,5 @@ def test_dashboard_and_alert_queries_return_data_from_a_real_training_job(tmp_pa
             capture_output=True, text=True, timeout=90)
         assert rendered.returncode == 0, rendered.stdout + rendered.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    replica = live.replica
+    assert replica.exit_codes["replica"] == 0, f"SIGTERM did not stop the replica cleanly:\n{replica.log_tail()}"

@@ -26,11 +26,25 @@ def _json_patch(doc: dict, op: dict) -> None:
         node[last] = value
 
 
+def _delete(docs: list[dict], directory: Path, patch: dict) -> list[dict]:
+    """``docs`` less the object that the inline ``$patch: delete`` patch ``patch`` names (exactly one)."""
+    assert set(patch) == {"patch"}, f"{directory}: patch {patch} without a target: teach load_kustomization"
+    body = yaml.safe_load(patch["patch"])
+    assert body.get("$patch") == "delete" and set(body) == {"$patch", "apiVersion", "kind", "metadata"}, \
+        f"{directory}: a strategic-merge patch other than one whole-object delete: teach load_kustomization"
+    key = (body["apiVersion"], body["kind"], body["metadata"]["name"])
+    hits = [d for d in docs if (d["apiVersion"], d["kind"], d["metadata"]["name"]) == key]
+    assert len(hits) == 1, f"{directory}: a patch deletes {key}, which matches {len(hits)} objects, not one"
+    return [d for d in docs if d is not hits[0]]
+
+
 def load_kustomization(directory: Path) -> list[dict]:
     """The objects ``kubectl kustomize DIRECTORY`` builds, for the features these kustomizations use.
 
-    Resources (files and directories) in order, and patch files of JSON
-    patches aimed at one kind/name; ``images`` only renames the image.
+    Resources (files and directories) in order, patch files of JSON patches
+    aimed at one kind/name, and inline strategic-merge ``$patch: delete``
+    patches without a target (each deletes the one object of its apiVersion,
+    kind and name); ``images`` only renames the image.
 
     Raises:
         AssertionError: a feature this reader does not know, or a patch target
@@ -45,6 +59,9 @@ def load_kustomization(directory: Path) -> list[dict]:
         docs += load_kustomization(path) if path.is_dir() else [
             d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     for patch in k.get("patches", []):
+        if "target" not in patch:
+            docs = _delete(docs, directory, patch)
+            continue
         target = patch["target"]
         hits = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
         assert len(hits) == 1, f"{directory}: patch {patch['path']} targets {len(hits)} objects, not one"
