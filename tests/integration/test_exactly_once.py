@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import collections
 
+import grpc
 import pytest
 import torch
 from torch import nn
 
 from shardps.common.stream_offsets import span
 from shardps.worker import DistributedOptimizer, ShardedEmbedding
-from shardps.worker.session.client import ShardClient
+from shardps.proto import shardps_pb2 as pb
+from shardps.worker.session.client import ShardClient, ShardRpcError
 from shardps.worker.stream.exactly_once import ExactlyOnce, held_offsets, redis_id, redis_offset
 from shardps.worker.stream.local_redis import LocalRedis
 from shardps.worker.stream.redis_source import RedisStreamReader, publish
@@ -108,7 +110,9 @@ def test_a_stream_through_shard_kills_and_a_trainer_restart_trains_every_event_e
 
 def test_a_batch_the_shards_hold_is_skipped_and_a_gap_is_not_applied(tmp_path):
     """The shards' rules, step by step with explicit spans: a due batch applies, a held one is skipped
-    (nothing moves), one leaving a gap is skipped and the held offset stays; checkpoints keep the offsets."""
+    (nothing moves), one leaving a gap is skipped and the held offset stays; malformed spans sent as they are
+    (a 300-byte partition name, a last offset not after the one before) are refused and stage nothing; a
+    second span before the first was sent is refused on the worker; checkpoints keep the offsets."""
     with ForkedCluster(1, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"))) as shards:
         model, x, dist = job(shards.servers, "w0")
         try:
@@ -129,17 +133,27 @@ def test_a_batch_the_shards_hold_is_skipped_and_a_gap_is_not_applied(tmp_path):
             assert float(x.detach()) == 5.0 and rows.weights[rows.ids.tolist().index(4), 0] == 3.0
             assert rows.weights[rows.ids.tolist().index(3), 0] == 2.0
             assert held_offsets(dist, "p") == [4]
-            dist.set_stream_span("p", 4, 5)
+            client = dist.clients[0]  # hostile spans sent as they are (the worker's own checks bypassed)
+            for bad, match in ((pb.StreamSpan(partition="q" * 300, last=9), "partition name"),
+                               (pb.StreamSpan(partition="p", after=7, last=7), "must come after")):
+                with pytest.raises(ShardRpcError, match=match) as refused:
+                    client.push_rows(pb.PushRowsRequest(worker_id=dist.worker_id, session=dist.tables.session,
+                                                        push=10 ** 6, span=bad))
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert held_offsets(dist, "p") == [4]  # nothing staged, nothing moved
+            step(4, 5, [4])  # and training goes on
+            assert held_offsets(dist, "p") == [5]
+            dist.set_stream_span("p", 5, 6)
             with pytest.raises(RuntimeError, match="was not sent yet"):  # two batches for one step: refused
-                dist.set_stream_span("p", 5, 6)
+                dist.set_stream_span("p", 6, 7)
         finally:
             dist.close()
         position = stats(shards, 0).stream_positions[0]
-        assert (position.partition, position.dense, position.rows) == ("p", 4, 4)
+        assert (position.partition, position.dense, position.rows) == ("p", 5, 5)
         stats(shards, 0, "checkpoint")
         shards.restart(0, same_port=True)  # SIGKILL: the offsets come back with the state they produced
         position = stats(shards, 0).stream_positions
-        assert [(p.partition, p.dense, p.rows) for p in position] == [("p", 4, 4)]
+        assert [(p.partition, p.dense, p.rows) for p in position] == [("p", 5, 5)]
 
 
 class _Event:
