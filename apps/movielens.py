@@ -147,6 +147,15 @@ class MF(nn.Module):
         return rating, p, q
 
 
+def serving_model() -> MF:
+    """The job's model for ``shardps serve --model shardps.apps.movielens:serving_model``: an unattached :class:`MF`
+    with :class:`MovieLensConfig`'s default ``dim`` (64) and ``init_scale`` (0.01), whose rows and global bias
+    come from the replica's state; ``forward(users, items)`` (int64 ``[B]``) answers the ratings first (float32
+    ``[B]``), which Predict returns. A job trained with other ``--dim`` needs a factory of its own."""
+    fields = MovieLensConfig.__dataclass_fields__
+    return MF(fields["dim"].default, fields["init_scale"].default, 0.0)
+
+
 def _row_weights(ids: torch.Tensor, alpha: float) -> torch.Tensor:
     """``(count / mean count) ** -alpha`` per id value (a dense lookup vector indexed by id)."""
     counts = torch.bincount(ids).float()

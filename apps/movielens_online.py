@@ -31,6 +31,7 @@ stream was read again for a shard behind).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import tempfile
@@ -44,8 +45,10 @@ import torch
 from torch import nn
 
 from shardps.apps.movielens import MF
+from shardps.apps.online_serving import Served
 from shardps.worker import DistributedOptimizer
 from shardps.worker.stream.exactly_once import ExactlyOnce
+from shardps.worker.serving.freshness import entry_seconds
 from shardps.worker.stream.redis_source import RedisStreamReader, publish
 from shardps.worker.stream.replay import FileReplay
 
@@ -67,6 +70,8 @@ class OnlineConfig:
         item_ttl_days: evict item rows unseen for this many days instead (-1: ``ttl_days``; 0: never): items
             come back over months, a MovieLens user rates in a few sessions.
         plot: a PNG file for the progressive RMSE curve and the rows held (empty: none).
+        serve: run ``shardps serve`` beside the job (refreshed every ``serve_period`` seconds, queried at
+            ``serve_qps``) and report its freshness (``shardps.apps.online_serving``).
 
     Raises:
         ValueError: a setting out of range.
@@ -90,6 +95,9 @@ class OnlineConfig:
     ttl_days: float = 0.0
     item_ttl_days: float = -1.0
     plot: str = ""
+    serve: bool = False
+    serve_period: float = 0.5
+    serve_qps: float = 200.0
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
@@ -98,6 +106,8 @@ class OnlineConfig:
         if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0 and self.ttl_days >= 0 and
                 (self.item_ttl_days >= 0 or self.item_ttl_days == -1)):
             raise ValueError("--rate and --max-wait must be > 0, --limit, --ttl-days and --item-ttl-days >= 0")
+        if not (self.serve_period >= 0.05 and self.serve_qps >= 0):
+            raise ValueError("--serve-period must be >= 0.05 seconds and --serve-qps >= 0")
 
 
 def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,57 +267,75 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
     dist = DistributedOptimizer(dense, model.named_parameters(), servers=servers, model=model,
                                 worker_id="online-0", sparse_optimizer=sparse)
     generator = torch.Generator().manual_seed(config.seed)
-    try:
-        for epoch in range(config.warm_epochs):
-            for batch in torch.randperm(users.numel(), generator=generator).split(512):
+    served = None
+    with contextlib.ExitStack() as stack:  # the replica (--serve) stops however the job ends
+        try:
+            for epoch in range(config.warm_epochs):
+                for batch in torch.randperm(users.numel(), generator=generator).split(512):
+                    dist.zero_grad()
+                    predicted, _, _ = model(users[batch], items[batch])
+                    (predicted - ratings[batch]).pow(2).mean().backward()
+                    dist.set_event_time(warm[-1].time)  # the warm start is the model as of its last rating
+                    dist.step()
+            su, si, sr = rating_tensors(streamed)
+            frozen = float(squared_errors(model, su, si, sr).mean().sqrt())
+            say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
+                f"{len(streamed)} streamed ratings: {frozen:.4f}")
+            stream, failed = f"shardps-movielens-{uuid.uuid4().hex[:12]}", []  # a broker given may hold older runs'
+            producer = threading.Thread(target=_producer, args=(url, stream, streamed, config.rate, failed), daemon=True)
+            source = RedisStreamReader(url, stream)
+            if config.serve:
+                served = stack.enter_context(Served(servers, source.partition, period=config.serve_period,
+                                                    qps=config.serve_qps))
+            producer.start()
+            errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
+            reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)
+            for batch in reader.batches():  # each event trained once on every shard (stream offsets on the shards)
+                u, i, r = rating_tensors(batch)
+                errors.append(squared_errors(model, u, i, r))  # scored before the model learns from them
                 dist.zero_grad()
-                predicted, _, _ = model(users[batch], items[batch])
-                (predicted - ratings[batch]).pow(2).mean().backward()
-                dist.set_event_time(warm[-1].time)  # the warm start is the model as of its last rating
+                predicted, _, _ = model(u, i)
+                (predicted - r).pow(2).mean().backward()
+                dist.set_event_time(batch[-1].time)
                 dist.step()
-        su, si, sr = rating_tensors(streamed)
-        frozen = float(squared_errors(model, su, si, sr).mean().sqrt())
-        say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
-            f"{len(streamed)} streamed ratings: {frozen:.4f}")
-        stream, failed = f"shardps-movielens-{uuid.uuid4().hex[:12]}", []  # a broker given may hold older runs'
-        producer = threading.Thread(target=_producer, args=(url, stream, streamed, config.rate, failed), daemon=True)
-        source = RedisStreamReader(url, stream)
-        producer.start()
-        errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
-        reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)
-        for batch in reader.batches():  # each event trained once on every shard (stream offsets on the shards)
-            u, i, r = rating_tensors(batch)
-            errors.append(squared_errors(model, u, i, r))  # scored before the model learns from them
-            dist.zero_grad()
-            predicted, _, _ = model(u, i)
-            (predicted - r).pow(2).mean().backward()
-            dist.set_event_time(batch[-1].time)
-            dist.step()
-            trained = time.time()
-            latencies.extend(trained - int(e.offset.split("-")[0]) / 1000 for e in batch)
-            done += len(batch)
-            rows = _rows_held(cluster) if len(curve) % 20 == 0 else curve[-1][2]  # every 20 steps
-            curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean())), rows))
-        seconds = time.monotonic() - started
-        producer.join(30)
-        if failed:
-            raise RuntimeError(f"the producer failed: {failed[0]}") from failed[0]
-        source.close()
-    finally:
-        dist.close()
-    if done - reader.replayed != len(streamed):
-        raise RuntimeError(f"trained {done} of {len(streamed)} streamed events")
-    progressive = curve[-1][1]
-    q = statistics.quantiles(latencies, n=100)
-    dist_rows = _rows_held(cluster)
-    report = {"events": done, "frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive,
-              "rows_held": dist_rows, "rows_held_max": max(dist_rows, *(c[2] for c in curve)),
-              "replays": reader.replays, "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
-              "curve": curve}
-    say(f"online: {done} events in {seconds:.1f} s ({report['events_per_s']:.0f} events/s), progressive RMSE "
-        f"{progressive:.4f} (frozen {frozen:.4f}, gain {report['gain']:.4f}), event-to-trained latency p50 "
-        f"{q[49] * 1e3:.0f} ms, p99 {q[98] * 1e3:.0f} ms")
-    return report
+                trained = time.time()
+                latencies.extend(trained - entry_seconds(source.position(e)) for e in batch)
+                if served is not None:
+                    served.events.update((source.position(e), entry_seconds(source.position(e))) for e in batch)
+                done += len(batch)
+                rows = _rows_held(cluster) if len(curve) % 20 == 0 else curve[-1][2]  # every 20 steps
+                curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean())), rows))
+            seconds = time.monotonic() - started
+            producer.join(30)
+            if failed:
+                raise RuntimeError(f"the producer failed: {failed[0]}") from failed[0]
+            source.close()
+        finally:
+            dist.close()
+        if done - reader.replayed != len(streamed):
+            raise RuntimeError(f"trained {done} of {len(streamed)} streamed events")
+        progressive = curve[-1][1]
+        q = statistics.quantiles(latencies, n=100)
+        dist_rows = _rows_held(cluster)
+        report = {"events": done, "frozen_rmse": frozen, "progressive_rmse": progressive, "gain": frozen - progressive,
+                  "rows_held": dist_rows, "rows_held_max": max(dist_rows, *(c[2] for c in curve)),
+                  "replays": reader.replays, "events_per_s": done / seconds, "latency_p50_s": q[49], "latency_p99_s": q[98], "steps": len(curve),
+                  "curve": curve}
+        if served is not None:
+            report["serving"] = served.finish()
+            _say_served(report["serving"], say)
+        say(f"online: {done} events in {seconds:.1f} s ({report['events_per_s']:.0f} events/s), progressive RMSE "
+            f"{progressive:.4f} (frozen {frozen:.4f}, gain {report['gain']:.4f}), event-to-trained latency p50 "
+            f"{q[49] * 1e3:.0f} ms, p99 {q[98] * 1e3:.0f} ms")
+        return report
+
+
+def _say_served(r: dict, say) -> None:
+    q = r["queries"]
+    say(f"serving: event-to-visible p50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s ({r['not_visible']} of "
+        f"{r['events']} events never seen); delta bytes {r['delta_overhead']:.3f}x the rows' own; the replica "
+        f"{'equals' if r['equals_export']['tables'] and r['equals_export']['score'] else 'DIFFERS FROM'} the export; "
+        + ", ".join(f"{k} p99 {v['p99_ms']:.2f} ms ({v['failed']} failed)" for k, v in q.items()))
 
 
 def _plot(report: dict, path: str) -> None:

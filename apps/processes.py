@@ -1,8 +1,10 @@
-"""Starting a main job's worker processes and turning their failures into one clear error."""
+"""Starting a job's processes (its workers; a `shardps serve` whose lines say where it listens) and turning their
+failures into one clear error."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch.multiprocessing as mp
 
@@ -44,3 +46,19 @@ def run_workers(target, args: tuple, nprocs: int, job: str) -> None:
         for process in context.processes:
             process.join(10)
         raise
+
+
+def wait_for(lines, prefix: str, timeout: float = 60.0) -> str:
+    """The first of ``lines`` (an iterator of text lines) starting with ``prefix``, within ``timeout`` seconds
+    (for launchers and tests reading ``serving on HOST:PORT``).
+
+    Raises:
+        TimeoutError: none came in time.
+    """
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+        if time.monotonic() > deadline:
+            break
+    raise TimeoutError(f"no {prefix!r} line within {timeout:g} s")

@@ -1,6 +1,9 @@
 """A serving replica under training load: query latency, and what the replica costs training.
 
     python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
+                                 [--rate 2000] [--limit 0] [--warm-epochs 5]
+
+Part 1, what the replica costs training.
 
 A training process steps the MovieLens matrix factorisation (``shardps.apps.movielens.MF``: the tables
 ``user``, ``item``, ``user_bias``, ``item_bias`` on 2 shards, the dense ``global_bias``) over ``u.data``'s
@@ -18,6 +21,12 @@ goals (2 cores): a 2,000-id lookup p99 <= 5 ms, scoring one user against 100 ite
 training slowed by at most 20% with the replica subscribed. No speed is asserted anywhere; the figures are
 printed and written (``--json``). Processes here: 2 shards, the trainer, the replica and this client share the
 machine's cores.
+
+Part 2, freshness during the online MovieLens job (``shardps train movielens --online --serve``, at ``--rate``
+events per second, ``apps/online_serving.py``): the replica refreshes every 0.5 s while the client queries it at
+``--qps``; per streamed event, the seconds from its entry into the broker to the first replica state holding it
+(p50, p99, histogram; goals p50 <= 1 s, p99 <= 2 s); the deltas' bytes on the wire against the least bytes of
+the rows they moved (goal <= 1.1x); whether, once the stream is trained, the replica equals the export exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +46,6 @@ from common import emit, machine, parser, table  # noqa: E402 - benchmarks/commo
 
 DEFAULT_DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" /
                                    "ml-100k"))
-TABLES = "user,item,user_bias,item_bias"
 
 
 def _train(servers: str, data_dir: str, seconds: float, out: str) -> None:
@@ -80,53 +87,9 @@ def _warm(servers: str, data_dir: str) -> None:
     _train(servers, data_dir, 1.0, os.devnull)
 
 
-def _query(address: str, seconds: float, qps: float) -> dict:
-    """Lookup and Score queries at ``qps`` in total for ``seconds``; latencies in ms by kind, and failures."""
-    import grpc
-    import torch
-
-    from shardps.common.rows import ids_bytes
-    from shardps.proto import shardps_pb2 as pb
-    from shardps.proto import shardps_pb2_grpc as pb_grpc
-
-    channel = grpc.insecure_channel(address)
-    stub = pb_grpc.ServingStub(channel)
-    g = torch.Generator().manual_seed(1)
-    lat = {"lookup": [], "score": []}
-    failed = {"lookup": 0, "score": 0}
-    started, k = time.monotonic(), 0
-    try:
-        while time.monotonic() - started < seconds:
-            due = started + k / qps
-            if due > time.monotonic():
-                time.sleep(due - time.monotonic())
-            kind = "lookup" if k % 2 == 0 else "score"
-            if kind == "lookup":
-                request, call = pb.LookupRequest(table="user", ids=ids_bytes(torch.randint(1, 944, (2000,),
-                                                                                          generator=g))), stub.Lookup
-            else:
-                request, call = pb.ScoreRequest(user=int(torch.randint(1, 944, (1,), generator=g)),
-                                                items=ids_bytes(torch.randint(1, 1683, (100,), generator=g))), \
-                    stub.Score
-            sent = time.perf_counter()
-            try:
-                call(request, timeout=5)
-                lat[kind].append(1e3 * (time.perf_counter() - sent))
-            except grpc.RpcError:
-                failed[kind] += 1
-            k += 1
-    finally:
-        channel.close()
-    out = {}
-    for kind, values in lat.items():
-        q = statistics.quantiles(values, n=100) if len(values) >= 2 else [float("nan")] * 99
-        out[kind] = {"answered": len(values), "failed": failed[kind], "p50_ms": q[49], "p99_ms": q[98]}
-    return out
-
-
 def run(kind: str, args, out_dir: str) -> dict:
     """One run: training alone, or served (with ``shardps serve`` and the client)."""
-    from shardps.cli.serve import wait_for
+    from shardps.apps.online_serving import QueryLoad, start_serve
     from shardps.worker.cluster import LocalCluster
 
     ctx = mp.get_context("spawn")
@@ -135,16 +98,15 @@ def run(kind: str, args, out_dir: str) -> dict:
         serve = None
         try:
             if kind == "served":
-                serve = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers",
-                                          cluster.servers, "--tables", TABLES, "--period", "0.5"],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                lines = iter(serve.stdout.readline, "")
-                address = wait_for(lines, "serving on ")
-                wait_for(lines, "serving tables ")
+                serve, address = start_serve(cluster.servers, period=0.5)
             out = os.path.join(out_dir, f"{kind}.json")
             trainer = ctx.Process(target=_train, args=(cluster.servers, str(args.data_dir), args.seconds, out))
             trainer.start()
-            queries = _query(address, args.seconds, args.qps) if serve is not None else None
+            queries = None
+            if serve is not None:
+                load = QueryLoad(address, args.qps).start()
+                trainer.join(args.seconds + 120)
+                queries = load.stop()
             trainer.join(args.seconds + 120)
             if trainer.exitcode != 0:
                 raise RuntimeError(f"the trainer failed (exit {trainer.exitcode})")
@@ -158,6 +120,18 @@ def run(kind: str, args, out_dir: str) -> dict:
     return result
 
 
+def online(args) -> dict:
+    """The online MovieLens job (``shardps train movielens --online --serve``): its replica's freshness per event,
+    delta bytes, equality with the export and query latency, while the stream trains."""
+    from shardps.apps.movielens_online import OnlineConfig, run_online
+
+    config = OnlineConfig(data_dir=str(args.data_dir), rate=args.rate, limit=args.limit, serve=True,
+                          serve_qps=args.qps, warm_epochs=args.warm_epochs)
+    report = run_online(config, say=lambda text: print(text, flush=True))
+    return {k: report[k] for k in ("events", "events_per_s", "latency_p50_s", "latency_p99_s", "progressive_rmse",
+                                   "gain_vs_baseline", "serving")} | {"rate": args.rate}
+
+
 def main() -> None:
     """Interleave the runs, print the table and the goals, write the JSON."""
     p = parser(__doc__.splitlines()[0])
@@ -165,6 +139,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="seconds of training per run (default 20)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved (alone, served) pairs (default 2)")
     p.add_argument("--qps", type=float, default=200.0, help="queries per second in total (default 200)")
+    p.add_argument("--rate", type=float, default=2000.0, help="part 2: events per second of the online job (default 2000)")
+    p.add_argument("--limit", type=int, default=0, help="part 2: streamed events at most (default 0: all 50,000)")
+    p.add_argument("--warm-epochs", type=int, default=5, help="part 2: epochs of the warm start (default 5)")
     args = p.parse_args()
     if not (args.data_dir / "u.data").is_file():
         raise SystemExit(f"{args.data_dir / 'u.data'} not found: pass --data-dir PATH/ml-100k")
@@ -191,9 +168,16 @@ def main() -> None:
     print(f"training with the replica subscribed: {trained:.1f} steps/s against {alone:.1f} alone ({100 * slowdown:.0f}% "
           f"slower; goal at most 20%); lookup p99 {lookup99:.2f} ms (goal 5), score p99 {score99:.2f} ms (goal 10) "
           f"at {args.qps:g} queries/s; {failed} queries failed")
+    part2 = online(args)
+    fresh = part2["serving"]
+    print(f"part 2, the online job at {args.rate:g} events/s: event-to-visible p50 {fresh['p50_s']:.2f} s, p99 "
+          f"{fresh['p99_s']:.2f} s (goals 1 and 2) over {fresh['events']} events; delta bytes "
+          f"{fresh['delta_overhead']:.3f}x the touched rows' (goal 1.1); replica equals the export: "
+          f"{fresh['equals_export']['tables'] and fresh['equals_export']['score']}; lookup p99 "
+          f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
     emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "runs": runs, "alone_steps_per_s": alone,
           "served_steps_per_s": trained, "slowdown": slowdown, "lookup_p99_ms": lookup99, "score_p99_ms": score99,
-          "failed": failed, "machine": machine()}, args.json)
+          "failed": failed, "online": part2, "machine": machine()}, args.json)
 
 
 if __name__ == "__main__":

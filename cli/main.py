@@ -205,6 +205,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="--online: evict rows unseen for this many days of event time (default 0: never)")
     m.add_argument("--item-ttl-days", type=float, default=None,
                    help="--online: evict item rows unseen for this many days instead (default: --ttl-days)")
+    m.add_argument("--serve", action="store_true",
+                   help="--online: run `shardps serve` beside the job, query it and report its freshness")
+    m.add_argument("--serve-period", type=float, default=0.5,
+                   help="--online --serve: the replica's refresh period in seconds (default 0.5)")
+    m.add_argument("--serve-qps", type=float, default=200.0,
+                   help="--online --serve: queries per second sent to the replica (default 200; 0: none)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     serve_cli.add_command(sub, _servers)
@@ -296,7 +302,8 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
     config = OnlineConfig(data_dir=args.data_dir, shards=args.shards, redis_url=args.redis_url, warm=args.warm,
                           warm_epochs=args.warm_epochs, rate=args.rate, limit=args.limit, dim=args.dim, lr=args.lr,
                           seed=args.seed, plot=args.plot, ttl_days=args.ttl_days,
-                          item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days)
+                          item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days,
+                          serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:

@@ -608,7 +608,7 @@ class ExportRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., state: _Optional[bool] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ..., since_round: _Optional[int] = ...) -> None: ...
 
 class ExportRowsReply(_message.Message):
-    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step", "total_rows", "evicted", "evictions_forgotten")
+    __slots__ = ("spec", "ids", "weights", "state", "state_width", "round", "step", "total_rows", "evicted", "evictions_forgotten", "incarnation", "positions")
     class StateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -633,6 +633,8 @@ class ExportRowsReply(_message.Message):
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     ids: bytes
     weights: bytes
@@ -643,7 +645,9 @@ class ExportRowsReply(_message.Message):
     total_rows: int
     evicted: bytes
     evictions_forgotten: bool
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ..., evicted: _Optional[bytes] = ..., evictions_forgotten: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    positions: _containers.RepeatedCompositeFieldContainer[StreamPosition]
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[_Mapping[str, bytes]] = ..., state_width: _Optional[_Mapping[str, int]] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., total_rows: _Optional[int] = ..., evicted: _Optional[bytes] = ..., evictions_forgotten: _Optional[bool] = ..., incarnation: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[StreamPosition, _Mapping]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("table", "ids")
@@ -682,3 +686,59 @@ class ScoreReply(_message.Message):
     scores: bytes
     state: int
     def __init__(self, scores: _Optional[bytes] = ..., state: _Optional[int] = ...) -> None: ...
+
+class Feature(_message.Message):
+    __slots__ = ("name", "shape", "int64_values", "float32_values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INT64_VALUES_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    int64_values: bytes
+    float32_values: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., int64_values: _Optional[bytes] = ..., float32_values: _Optional[bytes] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("features",)
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    features: _containers.RepeatedCompositeFieldContainer[Feature]
+    def __init__(self, features: _Optional[_Iterable[_Union[Feature, _Mapping]]] = ...) -> None: ...
+
+class PredictReply(_message.Message):
+    __slots__ = ("scores", "shape", "state")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    scores: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    state: int
+    def __init__(self, scores: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., state: _Optional[int] = ...) -> None: ...
+
+class StatesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VisibleState(_message.Message):
+    __slots__ = ("state", "made_at_unix_seconds", "positions", "versions", "dense_read_unix_seconds")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MADE_AT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_READ_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    state: int
+    made_at_unix_seconds: float
+    positions: _containers.RepeatedCompositeFieldContainer[StreamPosition]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    dense_read_unix_seconds: float
+    def __init__(self, state: _Optional[int] = ..., made_at_unix_seconds: _Optional[float] = ..., positions: _Optional[_Iterable[_Union[StreamPosition, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., dense_read_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class StatesReply(_message.Message):
+    __slots__ = ("states", "delta_wire_bytes", "delta_payload_bytes")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedCompositeFieldContainer[VisibleState]
+    delta_wire_bytes: int
+    delta_payload_bytes: int
+    def __init__(self, states: _Optional[_Iterable[_Union[VisibleState, _Mapping]]] = ..., delta_wire_bytes: _Optional[int] = ..., delta_payload_bytes: _Optional[int] = ...) -> None: ...

@@ -827,6 +827,16 @@ class ServingStub:
                 request_serializer=shardps_dot_proto_dot_shardps__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=shardps_dot_proto_dot_shardps__pb2.ScoreReply.FromString,
                 _registered_method=True)
+        self.Predict = channel.unary_unary(
+                '/shardps.v1.Serving/Predict',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.PredictRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.PredictReply.FromString,
+                _registered_method=True)
+        self.States = channel.unary_unary(
+                '/shardps.v1.Serving/States',
+                request_serializer=shardps_dot_proto_dot_shardps__pb2.StatesRequest.SerializeToString,
+                response_deserializer=shardps_dot_proto_dot_shardps__pb2.StatesReply.FromString,
+                _registered_method=True)
 
 
 class ServingServicer:
@@ -846,6 +856,20 @@ class ServingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Predict(self, request, context):
+        """Scores of the served model (shardps serve --model) on a batch of feature records.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def States(self, request, context):
+        """The recent states and what each made visible, for measuring freshness.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -858,6 +882,16 @@ def add_ServingServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=shardps_dot_proto_dot_shardps__pb2.ScoreRequest.FromString,
                     response_serializer=shardps_dot_proto_dot_shardps__pb2.ScoreReply.SerializeToString,
+            ),
+            'Predict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Predict,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.PredictRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.PredictReply.SerializeToString,
+            ),
+            'States': grpc.unary_unary_rpc_method_handler(
+                    servicer.States,
+                    request_deserializer=shardps_dot_proto_dot_shardps__pb2.StatesRequest.FromString,
+                    response_serializer=shardps_dot_proto_dot_shardps__pb2.StatesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -916,6 +950,60 @@ class Serving:
             '/shardps.v1.Serving/Score',
             shardps_dot_proto_dot_shardps__pb2.ScoreRequest.SerializeToString,
             shardps_dot_proto_dot_shardps__pb2.ScoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Predict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Serving/Predict',
+            shardps_dot_proto_dot_shardps__pb2.PredictRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.PredictReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def States(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Serving/States',
+            shardps_dot_proto_dot_shardps__pb2.StatesRequest.SerializeToString,
+            shardps_dot_proto_dot_shardps__pb2.StatesReply.FromString,
             options,
             channel_credentials,
             insecure,

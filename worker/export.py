@@ -264,6 +264,9 @@ def from_servers(servers: list[str] | str, *, model: Model | None = None, tables
             params, buffers = _empty(plan)
             sink = ParameterSink(plan, params, buffers)
             versions = [sink.receive(c, c.export(), 0, "export") for c in clients]
+            for i, c in enumerate(clients):  # a shard holding no dense chunk sends none: its version is its Stats'
+                if not plan.shard_chunks(i) and not plan.shard_buffer_chunks(i):
+                    versions[i] = c.stats().version
             if len(set(versions)) == 1 or allow_mixed_versions:
                 break
             if max(versions) - min(versions) > 1 or time.monotonic() >= deadline:

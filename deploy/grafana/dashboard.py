@@ -123,6 +123,13 @@ PANELS: tuple[Panel, ...] = (
               Query(f"sum by (instance) (rate(shardps_serving_delta_bytes_total{{{REPLICAS}}}[{RATE}]))",
                     "{{instance}}"),
           )),
+    Panel("Serving: age of the newest event served", "Freshness by events, for jobs trained exactly once from a "
+          "Redis stream: seconds since the newest event that every training shard's rows hold in the state a "
+          "replica serves entered the broker (its offset is the entry id, ms << 20 | seq). The state's age plus "
+          "the training latency; the per-event histogram is measured by benchmarks/serving.py.", "s", (
+              Query(f"time() - max by (instance, partition) (shardps_serving_stream_offset{{{REPLICAS}}}) "
+                    "/ 1048576 / 1000", "{{instance}} {{partition}}"),
+          )),
 )
 
 _DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

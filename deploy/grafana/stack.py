@@ -449,7 +449,9 @@ class ServingLoad:
 
 def train_factorisation(servers: str, step_every: float, dim: int = 8) -> int:
     """The serving load's trainer: the MovieLens factorisation (``shardps.apps.movielens.MF``) on random ratings
-    of 100 users and 200 items, a batch of 32 every ``step_every`` seconds, until SIGTERM; returns 0."""
+    of 100 users and 200 items, a batch of 32 every ``step_every`` seconds, until SIGTERM; returns 0. Each batch
+    is named as a stream's (partition ``ratings``, offsets as Redis entry ids of the step's time,
+    ``set_stream_span``), as a stream trainer's are, so the replica's stream offset and its panel have data."""
     import torch
 
     from shardps.apps.movielens import MF
@@ -465,13 +467,17 @@ def train_factorisation(servers: str, step_every: float, dim: int = 8) -> int:
                                                                       model.user_bias.handle,
                                                                       model.item_bias.handle], lr=0.05))
     g = torch.Generator().manual_seed(0)
+    after = None
     try:
         while not stop.wait(step_every):
             users, items = torch.randint(0, 100, (32,), generator=g), torch.randint(0, 200, (32,), generator=g)
             ratings = torch.randint(1, 6, (32,), generator=g).float()
+            last = max(int(time.time() * 1000) << 20, (after or 0) + 1)  # a Redis entry id: ms << 20 | seq
+            dist.set_stream_span("ratings", after, last)
             dist.zero_grad()
             (model(users, items)[0] - ratings).pow(2).mean().backward()
             dist.step()
+            after = last
     finally:
         dist.close()
     return 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from shardps.proto import shardps_pb2 as pb
+
 __all__ = ["EvictionLog", "MAX_LOGGED_EVICTIONS", "delta_items"]
 
 #: Evicted ids a table remembers (8 bytes each); older evictions are forgotten, oldest round first.
@@ -58,3 +60,12 @@ def delta_items(ids: torch.Tensor, slots: torch.Tensor, touched: torch.Tensor, s
         ids, slots = ids[keep], slots[keep]
     order = torch.argsort(ids)
     return ids[order], slots[order]
+
+
+def shard_fields(store) -> bytes:
+    """``ExportRowsReply``'s ``incarnation`` and ``positions`` (the offsets the rows hold, read now: before the
+    page's rows are, so the page holds at least those events), encoded, to append to a page's bytes."""
+    held = [p for p in store.rounds.positions.positions() if p.HasField("rows")]
+    return pb.ExportRowsReply(incarnation=store.incarnation,
+                              positions=[pb.StreamPosition(partition=p.partition, rows=p.rows) for p in held]
+                              ).SerializeToString()

@@ -344,8 +344,9 @@ class ExportReply:
         spec: the table's spec, encoded; size: bytes of the reply at most; need: bytes of memory it may take.
     """
 
-    def __init__(self, table, start: int, rows: int, state: bool, since: int = 0) -> None:
+    def __init__(self, table, start: int, rows: int, state: bool, since: int = 0, extra: bytes = b"") -> None:
         self.table, self.start, self.rows, self.state, self.since = table, start, rows, state, since
+        self.extra = extra  # encoded fields appended as they are (``deltas.shard_fields``)
         self.evicted_limit = 1 << 62
         self.spec = table.spec.to_proto().SerializeToString()
         self.widths = state_widths(table.spec.optimizer, table.spec.embedding_dim) if state else {}
@@ -354,9 +355,11 @@ class ExportReply:
         self.need = REPLY_COPIES * self.size + SCRATCH_PER_ROW * table.rows + table.index.nbytes() // 4
 
     @classmethod
-    def page(cls, table, offset: int, max_rows: int, state: bool, config, since: int = 0) -> "ExportReply":
+    def page(cls, table, offset: int, max_rows: int, state: bool, config, since: int = 0,
+             extra: bytes = b"") -> "ExportReply":
         """The page ``offset``, ``max_rows`` (0: all the rows from ``offset``) of ``table`` as it is now, sized;
-        ``since`` > 0: of the rows last pushed in rounds ``>= since`` (a delta, ``deltas.py``).
+        ``since`` > 0: of the rows last pushed in rounds ``>= since`` (a delta, ``deltas.py``); ``extra``: encoded
+        fields of the reply to append (the shard's incarnation and stream offsets, ``deltas.shard_fields``).
 
         Raises:
             ResourceExhausted: the page is over ``config.max_message_bytes``: the message names the limit, the
@@ -365,7 +368,7 @@ class ExportReply:
         total = table.rows if not since else int((table.touched[table.items()[1]] >= since).sum())
         start = min(offset, total)
         rows = total - start if not max_rows else min(max_rows, total - start)
-        page = cls(table, start, rows, state, since)
+        page = cls(table, start, rows, state, since, extra)
         page.evicted_limit = config.max_message_bytes // 4  # a delta's evicted ids beyond this: say forgotten
         if page.size > config.max_message_bytes:
             fits = page.fitting_rows(config.max_message_bytes)
@@ -386,7 +389,7 @@ class ExportReply:
             field_bytes(1, len(self.spec))
         for name, width in self.widths.items():
             size += field_bytes(4, 4 * rows * width, name) + field_bytes(5, 2 * _SCALAR + len(name))
-        return size + 3 * _SCALAR
+        return size + 3 * _SCALAR + len(self.extra)
 
     def fitting_rows(self, limit: int) -> int:
         """The most rows a page of this table may hold under ``limit`` bytes (0: not even one)."""
@@ -434,5 +437,5 @@ class ExportReply:
         for number, value in ((6, round_), (7, step), (8, total), (10, int(forgotten))):
             if value:
                 tail += _varint(number << 3) + _varint(value)
-        out.raw(bytes(tail))
+        out.raw(bytes(tail) + self.extra)
         return out.finish()

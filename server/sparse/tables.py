@@ -47,7 +47,7 @@ from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
 from shardps.server.membership.admission import resident_bytes
-from shardps.server.sparse import fused, replies, rounds
+from shardps.server.sparse import deltas, fused, replies, rounds
 from shardps.server.sparse.index import IdIndex
 from shardps.server.sparse.requests import PushParts, checked_ids, staged_rows
 from shardps.server.sparse.slab import RowSlab
@@ -498,7 +498,7 @@ class SparseTables:
         table = self._table(request.table)
         await self._settled()
         reply = replies.ExportReply.page(table, request.offset, request.max_rows, request.state, self.store.config,
-                                         request.since_round)
+                                         request.since_round, deltas.shard_fields(self.store))
         self._note_round()
         return await self.replies.serve(reply, "ask for fewer rows a page (max_rows)", sent,
                                         lambda: self.store.run(reply.read, self._round_now, priority=SPARSE))

@@ -328,18 +328,63 @@ def test_image_holds_every_package_folder():
     assert re.search(r'^RUN pip install "\.\[apps\]"', dockerfile, re.M), "`shardps train digits` needs the apps extra"
 
 
-def test_tls_overlay_leaves_out_the_replicas_while_serve_has_no_tls_flags():
-    """The one exemption from TLS in deploy/k8s/tls: ``shardps serve`` takes no TLS or token flags yet, so a
-    replica could not read shards that require them, and the overlay deletes the replicas (inline patches).
-    When serve takes the flags this test fails: patch them into the replicas as into the workers instead."""
-    docs = objects(K8S / "tls")
-    left = [key for key, d in docs.items() if d["metadata"].get("labels", {}).get(COMPONENT) == "replica"]
-    assert not left, f"deploy/k8s/tls keeps plaintext replicas {left}"
-    assert ("StatefulSet", "shardps-shard") in docs and ("ConfigMap", "shardps") in docs
-    argv, _ = replica_command(objects(K8S / "base"))
-    asked = [f"{flag}=/etc/shardps/tls/file" for flag in TLS_FLAGS]
-    _, unknown = worker_cli._parser().parse_known_args(argv[1:] + asked)
-    assert unknown == asked, "shardps serve takes TLS flags now: add them to the replicas in deploy/k8s/tls"
+def test_tls_overlay_covers_the_replicas(tmp_path):
+    """deploy/k8s/tls leaves nothing in plaintext: the serving replicas serve their port with mutual TLS and the
+    token from the shards' Secret, read the shards with the workers' Secret (``--shards-*``), and their readiness
+    probe asks the plaintext health port (Kubernetes' gRPC probe cannot do TLS; health needs no token)."""
+    docs, base = objects(K8S / "tls"), objects(K8S / "base")
+    replicas = sorted(key for key, d in base.items() if d["metadata"].get("labels", {}).get(COMPONENT) == "replica")
+    assert replicas and all(key in docs for key in replicas), "deploy/k8s/tls must keep the replicas"
+    deployment = docs["Deployment", "shardps-replica"]
+    pod, container = deployment["spec"]["template"]["spec"], the_container(deployment)
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"] in secrets}
+    assert mounts and all(m.get("readOnly") for m in mounts.values()), "mount the Secrets read-only"
+
+    def secret_of(path: str) -> str:
+        (mount,) = [m for where, m in mounts.items() if path.startswith(where + "/")]
+        return secrets[mount["name"]]
+
+    def pod_secrets(key) -> set[str]:
+        return {v["secret"]["secretName"] for v in docs[key]["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+
+    given = dict(a.split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+    own = {flag: given.get(flag) for flag in TLS_FLAGS}
+    shards = {flag: given.get("--shards-" + flag[2:]) for flag in TLS_FLAGS}
+    assert all(own.values()) and all(shards.values()), f"TLS flags missing: own {own}, to the shards {shards}"
+    assert {secret_of(p) for p in own.values()} == pod_secrets(("StatefulSet", "shardps-shard")), \
+        "the Serving port takes the shards' Secret"
+    assert {secret_of(p) for p in shards.values()} == pod_secrets(("Job", "shardps-worker")), \
+        "the replica reads the shards with the workers' Secret"
+
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {**REPLICA_PORTS, "health": ports.get("health")} and ports["health"] not in REPLICA_PORTS.values()
+    argv, args = replica_command(docs)
+    assert args.health_port == ports["health"] and args.port == ports["grpc"]
+    assert container["readinessProbe"]["grpc"] == {"port": ports["health"]}, "readiness asks the plaintext health port"
+    assert container["livenessProbe"]["tcpSocket"] == {"port": ports["grpc"]}
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+               for p in line.split()}
+    assert set(ports.values()) <= exposed, "deploy/Dockerfile must EXPOSE the replica's ports"
+
+    # `shardps serve` takes the files: the Secrets' files made here (tests.support.pki), at the mount paths.
+    from shardps.cli import serve as serve_cli
+    from tests.support.pki import make_pki
+
+    pki = make_pki(tmp_path)
+    files = {"tls": {"tls.crt": "server.pem", "tls.key": "server.key"},
+             "shards-tls": {"tls.crt": "client.pem", "tls.key": "client.key"}}
+    for where, mount in mounts.items():
+        folder = tmp_path / mount["name"]
+        folder.mkdir()
+        for name, source in {**files[mount["name"]], "ca.crt": "ca.pem", "token": "token"}.items():
+            (folder / name).write_bytes(pki.read(source))
+        argv = [a.replace(where + "/", f"{folder}/") for a in argv]
+    args = worker_cli._parser().parse_args(argv[1:])
+    credentials, interceptors = serve_cli.own_security(args)
+    security = serve_cli.shards_security(args)
+    assert credentials is not None and len(interceptors) == 1, "mutual TLS and the token on the Serving port"
+    assert security.tls and security.cert is not None and security.token, "mutual TLS and the token to the shards"
 
 
 def test_tls_overlay_mounts_every_file_its_flags_name(tmp_path):

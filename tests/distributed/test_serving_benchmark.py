@@ -1,7 +1,9 @@
 """benchmarks/serving.py runs end to end (small): training alone and with ``shardps serve`` subscribed and queried.
 
-No timing is asserted (latency and slowdown are the benchmark's report). What is tested: both runs trained,
-the replica answered every Lookup and Score query sent (none failed), and the latencies were measured.
+No timing is asserted (latency, freshness and slowdown are the benchmark's report). What is tested: both runs
+trained, the replica answered every Lookup and Score query sent (none failed), and the latencies were measured;
+in part 2 (the online job, 3,000 events) every event became visible, the histogram counts each once, the wire
+bytes are at least the rows' own, and the replica equals the export once the stream is trained.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def test_serving_benchmark_answers_every_query_while_training(tmp_path: Path) ->
     assert (DATA / "u.data").is_file(), f"MovieLens-100K is not at {DATA}: set SHARDPS_MOVIELENS_DIR"
     out = tmp_path / "serving.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving.py"), "--seconds", "4", "--repeats", "1",
-                           "--qps", "40", "--data-dir", str(DATA), "--json", str(out)],
+                           "--qps", "40", "--limit", "3000", "--rate", "1000", "--warm-epochs", "1", "--data-dir", str(DATA),
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -36,3 +39,9 @@ def test_serving_benchmark_answers_every_query_while_training(tmp_path: Path) ->
         assert q["failed"] == 0 and q["answered"] > 10, q
         assert math.isfinite(q["p50_ms"]) and 0 < q["p50_ms"] <= q["p99_ms"], q
     assert result["failed"] == 0
+    fresh = result["online"]["serving"]  # part 2: the online job's replica
+    assert fresh["events"] == 3000 and fresh["not_visible"] == 0 and fresh["caught_up"]
+    assert 0 < fresh["p50_s"] <= fresh["p99_s"] <= fresh["max_s"]
+    assert sum(count for _, count in fresh["histogram"]) == 3000
+    assert fresh["delta_wire_bytes"] >= fresh["delta_payload_bytes"] > 0
+    assert fresh["equals_export"] == {"tables": True, "score": True, "rows": fresh["equals_export"]["rows"]}

@@ -14,6 +14,7 @@ trainer resumes the same job: every row and ``x`` must equal the stream's counts
 from __future__ import annotations
 
 import collections
+import threading
 
 import grpc
 import pytest
@@ -207,3 +208,46 @@ def test_a_stream_trimmed_past_the_resume_point_is_refused(broker):
             reader.seek(redis_offset(entry_ids[2]))  # 3 to 6 are gone: resuming would skip them
     finally:
         reader.close()
+
+
+def test_two_members_pushing_one_partition_in_a_round_are_refused_and_nothing_moves():
+    """Two sync trainers of one job that both train partition ``p`` in the same round: the shard refuses the
+    round (each trainer must read its own partition) and applies nothing of it, dense or rows."""
+    with ForkedCluster(1, min_workers=2) as shards:
+        jobs = [None, None]
+
+        def start(k: int) -> None:
+            jobs[k] = job(shards.servers, f"w{k}")
+
+        threads = [threading.Thread(target=start, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(j is not None for j in jobs)
+        errors = [None, None]
+
+        def push(k: int) -> None:
+            model, x, dist = jobs[k]
+            try:
+                dist.set_stream_span("p", None, 5)
+                train(model, x, dist, [_Event(1), _Event(2)])
+                dist.synchronize()
+            except Exception as exc:  # noqa: BLE001 - checked below
+                errors[k] = exc
+
+        try:
+            threads = [threading.Thread(target=push, args=(k,)) for k in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads)
+            assert all(e is not None and "two members pushed batches of one stream partition" in str(e)
+                       for e in errors), errors
+            reply = stats(shards, 0)
+            assert list(reply.stream_positions) == []  # nothing held: the round was not applied
+            assert reply.version == 0
+        finally:
+            for _, _, dist in jobs:
+                dist.close()

@@ -142,7 +142,7 @@ def _start_serve(servers: str):
                              "user,item,user_bias,item_bias", "--period", "0.2", "--dense-every", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = iter(proc.stdout.readline, "")
-    from shardps.cli.serve import wait_for
+    from shardps.apps.processes import wait_for
 
     address = wait_for(lines, "serving on ")
     wait_for(lines, "serving tables ")

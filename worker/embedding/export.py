@@ -10,7 +10,7 @@ as in training: :meth:`TableExport.lookup` does exactly this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -130,7 +130,10 @@ class TableDelta:
             from its checkpoint's): the ``incarnations`` of the next delta;
         forgotten: a shard cannot tell what it evicted that far back, went back to an older state, or is
             another process than the last delta read (it restarted from a checkpoint): apply nothing, read the
-            whole table again (``since`` 0).
+            whole table again (``since`` 0);
+        wire_bytes: the serialized bytes of every ``ExportRows`` reply read for it (pages read again included);
+        positions: per shard, ``{stream partition: offset}`` its rows held before its first page was read (the
+            delta holds at least the events up to there; exactly-once stream training).
     """
 
     spec: TableSpec
@@ -140,6 +143,14 @@ class TableDelta:
     rounds: list[int]
     forgotten: bool
     incarnations: list[str]
+    wire_bytes: int = 0
+    positions: list[dict[str, int]] = field(default_factory=list)
+
+    def payload_bytes(self) -> int:
+        """The least bytes this delta needs: 8 per distinct id and evicted id, plus the row bytes of each distinct
+        row's weights (4 bytes an element, 2 for float16 tables)."""
+        row = self.spec.row_dtype.itemsize * self.spec.embedding_dim
+        return int(torch.unique(self.ids).numel()) * (8 + row) + 8 * int(self.evicted.numel())
 
     def apply(self, table: TableExport) -> TableExport:
         """``table`` (weights only) with this delta applied: the evicted ids dropped, then the rows taken.
@@ -163,30 +174,35 @@ def table_delta(clients, name: str, since: list[int], max_message_bytes: int = D
     """The rows of table ``name`` pushed on each shard since sparse round ``since[i]`` (0: every row: a
     snapshot), and the ids evicted since, read a page at a time (``ExportRows(since_round=)``): what a serving
     replica applies to stay fresh, touched rows only (Monolith's parameter sync). ``incarnations``: the previous
-    delta's (a shard that restarted since reuses round numbers: the delta is then ``forgotten``).
+    delta's (a shard that restarted since reuses round numbers: the delta is then ``forgotten``). Every page
+    names its shard's process incarnation, so a restart between two deltas, or while one shard's pages are read,
+    makes the delta ``forgotten``; no other call is made.
 
     Raises:
         ShardRpcError: a shard does not hold the table or did not answer.
     """
-    before = [c.stats().incarnation for c in clients]
-    ids, weights, evicted, rounds, spec = [], [], [], [], None
-    forgotten = incarnations is not None and list(incarnations) != before
+    ids, weights, evicted, rounds, spec, wire, now, positions = [], [], [], [], None, 0, [], []
+    forgotten = False
     for client, start in zip(clients, since):
         for _ in range(3):  # pages read across a round would mix two states of the shard: read them again
             pages = _delta_pages(client, name, max_message_bytes, start)
+            wire += sum(p.ByteSize() for p in pages)
             if len({p.round for p in pages}) == 1:
                 break
         spec = spec or TableSpec.from_proto(pages[0].spec)
         rounds.append(min(p.round for p in pages))  # (rows newer than that come again with the next delta)
         forgotten |= pages[0].evictions_forgotten or pages[0].round < start  # forgot, or went back
+        forgotten |= len({p.incarnation for p in pages}) > 1  # the shard restarted while its pages were read
+        now.append(pages[0].incarnation)
+        positions.append({q.partition: q.rows for q in pages[0].positions if q.HasField("rows")})
         evicted.append(ids_from(pages[0].evicted))
         for r in pages:
             part = ids_from(r.ids)
             ids.append(part)
             weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim, spec.row_dtype))
-    forgotten |= [c.stats().incarnation for c in clients] != before  # a restart while the pages were read
+    forgotten |= incarnations is not None and list(incarnations) != now
     all_ids = torch.cat(ids)
     order = torch.argsort(all_ids)
     return TableDelta(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
                       evicted=torch.unique(torch.cat(evicted)), rounds=rounds, forgotten=forgotten,
-                      incarnations=before)
+                      incarnations=now, wire_bytes=wire, positions=positions)

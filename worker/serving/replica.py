@@ -20,6 +20,7 @@ snapshot), as does its first refresh.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -32,9 +33,12 @@ from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker.embedding.export import TableExport, table_delta
 from shardps.worker.session.client import ShardClient
 
-__all__ = ["Replica", "ReplicaState"]
+__all__ = ["HISTORY", "Replica", "ReplicaState"]
 
 log = logging.getLogger(__name__)
+
+#: States a replica remembers (``Replica.history``).
+HISTORY = 256
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,10 @@ class ReplicaState:
         dense: ``{name: tensor}`` of the dense parameters and buffers (empty until read, or when not asked).
         rounds: ``{table: [sparse round of each shard when read]}``; versions: each shard's dense version.
         number: states made so far (1: the first snapshot); made_at: ``time.time()`` when it was swapped in;
-        incarnations: ``{table: [each shard's process incarnation when read]}`` (a restart reuses round numbers).
+        incarnations: ``{table: [each shard's process incarnation when read]}`` (a restart reuses round numbers);
+        positions: ``{stream partition: offset}``: every event up to the offset is in this state's tables on every
+            shard (the lowest offset any shard's rows held before its pages were read, ``TableDelta.positions``; exactly-once stream training, ``shardps.worker.stream.exactly_once``), for measuring freshness;
+        dense_at: ``time.time()`` when ``dense`` was read (0: never).
     """
 
     tables: dict[str, TableExport]
@@ -57,6 +64,8 @@ class ReplicaState:
     number: int = 0
     made_at: float = 0.0
     incarnations: dict[str, list[str]] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    dense_at: float = 0.0
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[*ids.shape, dim]`` rows of int64 ``ids`` of ``table`` in this state.
@@ -82,10 +91,18 @@ class Replica:
     Attributes:
         deltas, snapshots, failures: refreshes applied as deltas, whole reads, refreshes that failed;
         delta_bytes: row and id bytes received by refreshes (ids 8 bytes, rows ``4 * dim``), in total;
+        wire_bytes: serialized bytes of the refreshes' replies (``ExportRows`` pages, pages read again);
+        payload_bytes: the least bytes those refreshes needed (``TableDelta.payload_bytes``: distinct rows and
+            evicted ids), so ``wire_bytes / payload_bytes`` is the deltas' overhead;
+        history: ``(number, made_at, positions, versions, dense_at)`` of the last 256 states swapped in, oldest first
+            (``Serving.States``: what each state made visible and when, for measuring freshness);
         last_error: the message of the last failed refresh ("" after a good one).
 
+    The replica connects to the shards at its first refresh (a shard down then fails that refresh only).
+
     Raises:
-        ValueError: no tables, or a period below 0.05 s.
+        ValueError: no tables, a period below 0.05 s, or ``security`` sends a token over plaintext to a host that
+            is not loopback without allowing it.
     """
 
     def __init__(self, servers, tables: list[str], *, period: float = 0.5, dense_every: float | None = 5.0,
@@ -97,10 +114,14 @@ class Replica:
         self.servers = parse_servers(servers)
         self.names, self.period, self.dense_every = list(tables), period, dense_every
         self.max_message_bytes, self.security = max_message_bytes, security
-        self.clients = [ShardClient(a, index=i, rpc_timeout=rpc_timeout, security=security,
-                                    max_message_bytes=max_message_bytes) for i, a in enumerate(self.servers)]
-        self.deltas = self.snapshots = self.failures = self.delta_bytes = 0
+        self.rpc_timeout = rpc_timeout
+        if security is not None:  # a token refused over plaintext says so now (a channel connects when used)
+            for a in self.servers:
+                security.channel(a).close()
+        self.clients: list[ShardClient] = []  # connected by the first refresh: the shards may not be up yet
+        self.deltas = self.snapshots = self.failures = self.delta_bytes = self.wire_bytes = self.payload_bytes = 0
         self.last_error = ""
+        self.history: collections.deque[tuple] = collections.deque(maxlen=HISTORY)
         self._state: ReplicaState | None = None
         self._dense_at = float("-inf")
         self._lock = threading.Lock()  # one refresh at a time
@@ -131,17 +152,17 @@ class Replica:
             ShardRpcError: a shard could not be read (the current state stays).
         """
         with self._lock:
-            old = self._state
-            tables, rounds, incarnations = {}, {}, {}
+            old, n = self._state, len(self._connect())
+            tables, rounds, incarnations, held = {}, {}, {}, []
             for name in self.names:
-                since = old.rounds[name] if old is not None else [0] * len(self.clients)
-                delta = table_delta(self.clients, name, since, self.max_message_bytes,
-                                    old.incarnations[name] if old is not None else None)
+                since = old.rounds[name] if old is not None else [0] * n
+                delta = self._counted(table_delta(self.clients, name, since, self.max_message_bytes,
+                                                  old.incarnations[name] if old is not None else None))
                 if old is None or delta.forgotten:
                     if old is not None:
                         log.warning("replica: table %r cannot take its delta (a shard restarted or forgot its "
                                     "evictions): reading it whole", name)
-                        delta = table_delta(self.clients, name, [0] * len(self.clients), self.max_message_bytes)
+                        delta = self._counted(table_delta(self.clients, name, [0] * n, self.max_message_bytes))
                     self.snapshots += 1
                     base = TableExport(delta.spec, torch.empty(0, dtype=torch.int64),
                                        torch.empty(0, delta.spec.embedding_dim), {}, 0, [])
@@ -150,15 +171,45 @@ class Replica:
                     base = old.tables[name]
                 tables[name] = delta.apply(base)
                 rounds[name], incarnations[name] = delta.rounds, delta.incarnations
-                self.delta_bytes += 8 * (delta.ids.numel() + delta.evicted.numel()) + 4 * delta.weights.numel()
-            dense, versions = (old.dense, old.versions) if old is not None else ({}, [])
+                held += delta.positions
+            if len({tuple(v) for v in incarnations.values()}) > 1:  # the next refresh reads the tables whole
+                raise RuntimeError("a training shard restarted while the replica read it: this refresh is dropped")
+            dense, versions, dense_at = (old.dense, old.versions, old.dense_at) if old is not None else ({}, [], 0.0)
             if self.dense_every is not None and time.monotonic() - self._dense_at >= self.dense_every:
+                dense_at = time.time()
                 dense, versions = self._read_dense()
                 self._dense_at = time.monotonic()
+            positions = {k: min(h[k] for h in held) for k in sorted(set.intersection(*map(set, held)))}
             state = ReplicaState(tables, dense, rounds, versions, (old.number if old is not None else 0) + 1,
-                                 time.time(), incarnations)
+                                 time.time(), incarnations, positions, dense_at)
             self._state = state  # one reference: a reader sees the old state or this one, whole
+            self.history.append((state.number, state.made_at, positions, list(versions), dense_at))
             return state
+
+    def _connect(self) -> list[ShardClient]:
+        """The clients of every shard, connected now if not yet (within 10 s a shard).
+
+        Raises:
+            ConnectionError: a shard did not answer (nothing stays connected; the next refresh tries again).
+        """
+        if not self.clients:
+            clients: list[ShardClient] = []
+            try:
+                for i, a in enumerate(self.servers):
+                    clients.append(ShardClient(a, index=i, rpc_timeout=self.rpc_timeout, security=self.security,
+                                               connect_timeout=10.0, max_message_bytes=self.max_message_bytes))
+            except BaseException:
+                for c in clients:
+                    c.close()
+                raise
+            self.clients = clients
+        return self.clients
+
+    def _counted(self, delta):
+        self.delta_bytes += 8 * (delta.ids.numel() + delta.evicted.numel()) + 4 * delta.weights.numel()
+        self.wire_bytes += delta.wire_bytes
+        self.payload_bytes += delta.payload_bytes()
+        return delta
 
     def _read_dense(self) -> tuple[dict[str, torch.Tensor], list[int]]:
         from shardps.worker.export import from_servers

@@ -1,11 +1,16 @@
 """``shardps.v1.Serving`` over a :class:`~shardps.worker.serving.replica.Replica`: rows and scores, health, metrics.
 
 Every call reads the replica's state once (``replica.state``), so an answer is of one whole state, never of a
-half-applied delta. ``Lookup`` answers rows of any served table; ``Score`` scores one user against candidate
+half-applied delta. ``Lookup`` answers rows of any served table; ``States`` the recent states, what each made
+visible (stream offsets) and when, and the refreshes' wire and payload bytes; ``Score`` scores one user against candidate
 items with the MovieLens matrix factorisation (``shardps.apps.movielens.MF``: ``p_u . q_i + b_u + b_i + mu``,
 tables ``user``, ``item``, ``user_bias``, ``item_bias`` and the dense ``global_bias``). The gRPC health service
 says NOT_SERVING until the first state is read, SERVING after. Prometheus metrics (``shardps_serving_*``): calls
 by method and code, their latency, the state's age and number, refresh failures and the delta bytes received.
+``Predict`` runs the job's own model (``shardps serve --model``), made local from each state
+(``shardps.worker.serving.predict``). The port serves TLS, mutual TLS and a bearer-token check as the shards'
+do (``serve(credentials=, interceptors=)``); health needs no token, and :func:`serve_health` serves it alone in
+plaintext for probes that cannot do TLS.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from shardps.common.rows import ids_from
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
+from shardps.worker.serving.predict import PredictError, decode_features
 
-__all__ = ["MAX_IDS", "ServingMetrics", "serve"]
+__all__ = ["MAX_IDS", "ServingMetrics", "check_credentials", "serve", "serve_health"]
 
 #: Ids (or items) one call may ask for.
 MAX_IDS = 1 << 20
@@ -48,10 +55,35 @@ class ServingMetrics:
                 ("shardps_serving_refresh_failures", "Refreshes that failed (the last state kept serving).",
                  lambda: replica.failures),
                 ("shardps_serving_delta_bytes", "Row and id bytes the refreshes received.", lambda: replica.delta_bytes),
+                ("shardps_serving_delta_wire_bytes", "Serialized reply bytes the refreshes received (ExportRows).",
+                 lambda: replica.wire_bytes),
+                ("shardps_serving_delta_payload_bytes", "The least bytes the refreshes needed: distinct rows and ids.",
+                 lambda: replica.payload_bytes),
                 ("shardps_serving_snapshots", "Tables read whole (first read, or a delta that could not apply).",
                  lambda: replica.snapshots)):
             gauge = Gauge(name + "_total", text, registry=r)  # read from the replica's own counters when scraped
             gauge.set_function(read)
+        r.register(_Positions(replica))
+
+
+class _Positions:
+    """``shardps_serving_stream_offset{partition}``: the stream offset up to which every event is in the state
+    served (``ReplicaState.positions``). For a Redis stream (offsets ``ms << 20 | seq``) the newest visible event
+    entered the broker at ``offset / 2**20 / 1000`` seconds since the epoch: ``time() - that`` is its age."""
+
+    def __init__(self, replica) -> None:
+        self.replica = replica
+
+    def describe(self):
+        return [GaugeMetricFamily("shardps_serving_stream_offset", "", labels=["partition"])]
+
+    def collect(self):
+        family = GaugeMetricFamily("shardps_serving_stream_offset", "The stream offset up to which every event is "
+                                   "in the state served, by partition.", labels=["partition"])
+        state = self.replica.state
+        for partition, offset in (state.positions if state is not None else {}).items():
+            family.add_metric([partition], float(offset))
+        yield family
 
 
 def _ids(data: bytes, what: str, context) -> torch.Tensor:
@@ -62,8 +94,8 @@ def _ids(data: bytes, what: str, context) -> torch.Tensor:
 
 
 class _Servicer(pb_grpc.ServingServicer):
-    def __init__(self, replica, metrics: ServingMetrics) -> None:
-        self.replica, self.metrics = replica, metrics
+    def __init__(self, replica, metrics: ServingMetrics, predictor=None) -> None:
+        self.replica, self.metrics, self.predictor = replica, metrics, predictor
 
     def _state(self, context):
         state = self.replica.state
@@ -110,25 +142,107 @@ class _Servicer(pb_grpc.ServingServicer):
             return pb.ScoreReply(scores=scores.numpy().tobytes(), state=state.number)
         return self._timed("Score", run, request, context)
 
+    def States(self, request, context):
+        def run(request, context):
+            replica = self.replica
+            return pb.StatesReply(states=[
+                pb.VisibleState(state=number, made_at_unix_seconds=made_at, versions=versions,
+                                positions=[pb.StreamPosition(partition=k, rows=v) for k, v in positions.items()],
+                                dense_read_unix_seconds=dense_at)
+                for number, made_at, positions, versions, dense_at in list(replica.history)],
+                delta_wire_bytes=replica.wire_bytes, delta_payload_bytes=replica.payload_bytes)
+        return self._timed("States", run, request, context)
 
-def serve(replica, host: str = "127.0.0.1", port: int = 0, threads: int = 8) -> tuple[grpc.Server, int, ServingMetrics,
-                                                                                      health.HealthServicer]:
-    """Start the Serving and health services for ``replica`` on ``host:port`` (0: a free port), plaintext.
+    def Predict(self, request, context):
+        def run(request, context):
+            if self.predictor is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "this replica serves no model: start shardps serve with --model MODULE:CALLABLE "
+                              "(a zero-argument callable returning the job's model) to answer Predict")
+            try:
+                features = decode_features(request.features, MAX_IDS)
+                state = self._state(context)
+                scores = self.predictor.predict(state, features)
+            except PredictError as exc:
+                context.abort(exc.code, str(exc))
+            return pb.PredictReply(scores=scores.numpy().tobytes(), shape=list(scores.shape), state=state.number)
+        return self._timed("Predict", run, request, context)
+
+
+def check_credentials(credentials: grpc.ServerCredentials) -> None:
+    """Make gRPC load ``credentials`` now, on a scratch server on a free loopback port (gRPC reads PEM contents
+    only when a port is bound, and would report a bad certificate like a port in use).
+
+    Raises:
+        RuntimeError: gRPC cannot use the certificate, key or CA (the message names the flags).
+    """
+    probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    try:
+        if not probe.add_secure_port("127.0.0.1:0", credentials):
+            raise RuntimeError("bind")
+    except RuntimeError:
+        raise RuntimeError("--tls-cert/--tls-key/--tls-ca: gRPC cannot use them: a file is not a valid PEM "
+                           "certificate or key, or --tls-key is not the key of --tls-cert") from None
+    finally:
+        probe.stop(None)
+
+
+def _bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None, flag: str) -> int:
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address) if credentials is None else \
+            server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise RuntimeError(f"could not bind {address} ({flag})")
+    return bound
+
+
+def serve(replica, host: str = "127.0.0.1", port: int = 0, threads: int = 8, *,
+          credentials: grpc.ServerCredentials | None = None, interceptors=(), predictor=None,
+          ) -> tuple[grpc.Server, int, ServingMetrics, health.HealthServicer]:
+    """Start the Serving and health services for ``replica`` on ``host:port`` (0: a free port).
+
+    Args:
+        credentials: TLS of the port (``shardps.common.security.server_credentials``: mutual TLS when it holds the
+            clients' CA); None: plaintext. Check them first with :func:`check_credentials`.
+        interceptors: ``grpc.ServerInterceptor`` objects run on every call, in order (the bearer-token check of
+            ``shardps serve --auth-token-file``; it lets health calls through).
+        predictor: a :class:`~shardps.worker.serving.predict.Predictor` answering ``Predict``; None: Predict is
+            refused with FAILED_PRECONDITION naming ``--model``.
 
     Returns:
-        ``(server, bound port, metrics, health servicer)``; the caller stops the server.
+        ``(server, bound port, metrics, health servicer)``; the caller stops the server. Health says NOT_SERVING
+        until the caller sets it.
 
     Raises:
         RuntimeError: the port could not be bound.
     """
     metrics = ServingMetrics(replica)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardps-serving"))
-    pb_grpc.add_ServingServicer_to_server(_Servicer(replica, metrics), server)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardps-serving"),
+                         interceptors=list(interceptors))
+    pb_grpc.add_ServingServicer_to_server(_Servicer(replica, metrics, predictor), server)
     checks = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise RuntimeError(f"could not bind {host}:{port}")
+    bound = _bind(server, host, port, credentials, "--port")
     checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
     return server, bound, metrics, checks
+
+
+def serve_health(checks: health.HealthServicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    """Serve ``checks`` (the Serving port's health servicer: one status for both) alone, in plaintext, without a
+    token check, on ``host:port`` (0: a free port), for probes that cannot do TLS (Kubernetes' gRPC probe).
+
+    Returns:
+        ``(server, bound port)``, started; the caller stops it.
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardps-serving-health"))
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    bound = _bind(server, host, port, None, "--health-port")
+    server.start()
+    return server, bound

@@ -1,0 +1,229 @@
+"""A serving replica beside a training job: ``shardps serve`` started, queried at a steady rate, and measured.
+
+Used by ``shardps train movielens --online --serve`` and by ``benchmarks/serving.py``:
+
+- :func:`start_serve`: a ``shardps serve`` process subscribed to the training shards, once it has read its
+  first state;
+- :class:`QueryLoad`: a client thread sending ``Lookup`` (2,000 user ids) and ``Score`` (one user against 100
+  items) queries alternately at a steady rate, each timed from send to answer, every failure counted;
+- :func:`freshness_report`: each streamed event's event-to-visible seconds (``FreshnessProbe``), their
+  quantiles and histogram, and the deltas' wire bytes against the least bytes they needed;
+- :func:`equals_export`: whether the replica's tables and dense parameters equal the shards' export exactly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import torch
+
+from shardps.common.rows import ids_bytes
+from shardps.proto import shardps_pb2 as pb
+from shardps.proto import shardps_pb2_grpc as pb_grpc
+
+__all__ = ["BUCKETS", "QueryLoad", "Served", "equals_export", "freshness_report", "start_serve"]
+
+#: Histogram buckets of event-to-visible seconds (upper bounds; the last is +inf).
+BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, float("inf"))
+MF_TABLES = ("user", "item", "user_bias", "item_bias")
+
+
+def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_every: float = 5.0,
+                timeout: float = 120.0, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``shardps serve`` against ``servers`` and wait for its first state.
+
+    Returns:
+        ``(process, "host:port")``; the caller terminates the process (SIGTERM: it exits 0 within 5 s).
+
+    Raises:
+        TimeoutError: it did not read its first state within ``timeout`` seconds (the process is killed).
+    """
+    from shardps.apps.processes import wait_for
+
+    process = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers", servers, "--tables",
+                                ",".join(tables), "--period", str(period), "--dense-every", str(dense_every),
+                                *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = iter(process.stdout.readline, "")
+        address = wait_for(lines, "serving on ", timeout)
+        wait_for(lines, "serving tables ", timeout)
+    except BaseException:
+        process.kill()
+        process.wait(30)
+        raise
+    threading.Thread(target=lambda: [None for _ in lines], name="shardps-serve-output", daemon=True).start()
+    return process, address
+
+
+class QueryLoad:
+    """Queries a replica at ``qps`` in a daemon thread until :meth:`stop`: a ``Lookup`` of 2,000 ids of
+    ``user`` (in [1, users]) and a ``Score`` of a user against 100 items (in [1, items]) alternately.
+
+    Attributes:
+        latencies: ``{"lookup": [ms], "score": [ms]}`` of the answered queries; failed: failures by kind;
+        codes: the status codes of the failures; answered_at: ``time.time()`` of every answer.
+    """
+
+    def __init__(self, address: str, qps: float, *, users: int = 943, items: int = 1682, seed: int = 1) -> None:
+        self.address, self.qps, self.users, self.items = address, qps, users, items
+        self.latencies = {"lookup": [], "score": []}
+        self.failed = {"lookup": 0, "score": 0}
+        self.codes: list[str] = []
+        self.answered_at: list[float] = []
+        self._g = torch.Generator().manual_seed(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardps-queries", daemon=True)
+
+    def start(self) -> "QueryLoad":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        channel = grpc.insecure_channel(self.address)
+        stub = pb_grpc.ServingStub(channel)
+        started, k = time.monotonic(), 0
+        try:
+            while not self._stop.is_set():
+                due = started + k / self.qps
+                if due > time.monotonic():
+                    self._stop.wait(due - time.monotonic())
+                    continue
+                kind = "lookup" if k % 2 == 0 else "score"
+                if kind == "lookup":
+                    ids = torch.randint(1, self.users + 1, (2000,), generator=self._g)
+                    request, call = pb.LookupRequest(table="user", ids=ids_bytes(ids)), stub.Lookup
+                else:
+                    user = int(torch.randint(1, self.users + 1, (1,), generator=self._g))
+                    items = torch.randint(1, self.items + 1, (100,), generator=self._g)
+                    request, call = pb.ScoreRequest(user=user, items=ids_bytes(items)), stub.Score
+                sent = time.perf_counter()
+                try:
+                    call(request, timeout=5)
+                    self.latencies[kind].append(1e3 * (time.perf_counter() - sent))
+                    self.answered_at.append(time.time())
+                except grpc.RpcError as exc:
+                    self.failed[kind] += 1
+                    self.codes.append(exc.code().name)
+                k += 1
+        finally:
+            channel.close()
+
+    def stop(self) -> dict:
+        """Stop and return ``{kind: {"answered", "failed", "p50_ms", "p99_ms"}}``."""
+        self._stop.set()
+        self._thread.join(30)
+        out = {}
+        for kind, values in self.latencies.items():
+            q = statistics.quantiles(values, n=100) if len(values) >= 2 else [float("nan")] * 99
+            out[kind] = {"answered": len(values), "failed": self.failed[kind], "p50_ms": q[49], "p99_ms": q[98]}
+        return out
+
+
+def freshness_report(probe, event_seconds: dict[int, float]) -> dict:
+    """Event-to-visible seconds of every event (``{offset: event time in seconds}``) from ``probe``'s states.
+
+    Returns:
+        ``{"events", "not_visible", "p50_s", "p99_s", "max_s", "histogram": [[upper bound, count], ...],
+        "delta_wire_bytes", "delta_payload_bytes", "delta_overhead"}`` (``delta_overhead``: wire bytes over
+        the least bytes the rows applied need).
+    """
+    from shardps.worker.serving.freshness import quantile
+
+    offsets = sorted(event_seconds)
+    seconds = [v - event_seconds[o] for o, v in zip(offsets, probe.visible_at(offsets)) if v is not None]
+    counts = [0] * len(BUCKETS)
+    for s in seconds:
+        counts[next(k for k, bound in enumerate(BUCKETS) if s <= bound)] += 1
+    return {"events": len(offsets), "not_visible": len(offsets) - len(seconds), "p50_s": quantile(seconds, 0.5),
+            "p99_s": quantile(seconds, 0.99), "max_s": max(seconds, default=float("nan")),
+            "histogram": [[b, c] for b, c in zip(BUCKETS, counts)], "delta_wire_bytes": probe.wire_bytes,
+            "delta_payload_bytes": probe.payload_bytes,
+            "delta_overhead": probe.wire_bytes / probe.payload_bytes if probe.payload_bytes else float("nan")}
+
+
+def equals_export(address: str, servers: str, tables=MF_TABLES) -> dict:
+    """Whether the replica at ``address`` serves exactly what the shards at ``servers`` hold now: every row of
+    every table the shards hold (``Lookup``, compared with ``torch.equal``), and ``Score`` against the same
+    formula on the exported rows and dense ``global_bias`` (``{"tables": bool, "score": bool, "rows": n}``).
+    Read once training has stopped and the replica has caught up (a state with the shards' dense versions)."""
+    from shardps.common.rows import rows_from
+    from shardps.worker.embedding.export import export_table
+    from shardps.worker.export import from_servers
+    from shardps.worker.session.client import ShardClient
+
+    clients = [ShardClient(a, index=i) for i, a in enumerate(servers.split(","))]
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.ServingStub(channel)
+    try:
+        exported = {t: export_table(clients, t) for t in tables}
+        same, rows = True, 0
+        for t, e in exported.items():
+            reply = stub.Lookup(pb.LookupRequest(table=t, ids=ids_bytes(e.ids)), timeout=30)
+            same &= torch.equal(rows_from(reply.rows, e.ids.numel(), reply.dim), e.weights)
+            rows += e.ids.numel()
+        with from_servers(servers.split(","), tables=[], allow_mixed_versions=True) as dense:  # (a shard may hold
+            # no dense chunk: its version stays 0)
+            mu = dense.state_dict["global_bias"].reshape(())
+        user, items = exported["user"].ids[:1], exported["item"].ids[:100]
+        p, b_u = exported["user"].lookup(user)[0], exported["user_bias"].lookup(user)[0, 0]
+        expected = exported["item"].lookup(items) @ p + exported["item_bias"].lookup(items)[:, 0] + b_u + mu
+        reply = stub.Score(pb.ScoreRequest(user=int(user[0]), items=ids_bytes(items)), timeout=30)
+        score = torch.equal(rows_from(reply.scores, items.numel(), 1).reshape(-1), expected)
+    finally:
+        channel.close()
+        for c in clients:
+            c.close()
+    return {"tables": bool(same), "score": bool(score), "rows": rows}
+
+
+class Served:
+    """``shardps serve`` beside a stream job, its freshness probe and (``qps`` > 0) a query load: a context
+    manager; :meth:`finish` once the stream is trained and the trainer closed.
+
+    Args:
+        servers: the training shards (``"host:port,..."``). partition: the stream partition trained.
+        period: the replica's refresh period (seconds). qps: queries per second (0: none).
+    """
+
+    def __init__(self, servers: str, partition: str, *, period: float = 0.5, qps: float = 200.0) -> None:
+        self.servers, self.partition, self.period, self.qps = servers, partition, period, qps
+        self.events: dict[int, float] = {}  # stream offset -> event time (seconds): the broker entry's time
+        self.process = self.probe = self.load = None
+
+    def __enter__(self) -> "Served":
+        from shardps.worker.serving.freshness import FreshnessProbe
+
+        self.process, self.address = start_serve(self.servers, period=self.period)
+        self.probe = FreshnessProbe(self.address, self.partition).start()
+        if self.qps > 0:
+            self.load = QueryLoad(self.address, self.qps).start()
+        return self
+
+    def finish(self, timeout: float = 60.0) -> dict:
+        """Wait until the replica holds every event noted and dense parameters read since (at most ``timeout``
+        seconds), stop the queries, and report: :func:`freshness_report`, ``"caught_up"``, ``"queries"``
+        (:meth:`QueryLoad.stop`) and ``"equals_export"`` (:func:`equals_export`)."""
+        trained = time.time()  # the trainer has closed: every round it pushed is applied
+        caught_up = self.probe.wait_visible(max(self.events), timeout, dense_after=trained)
+        queries = self.load.stop() if self.load is not None else {}
+        self.probe.poll_once()
+        return {**freshness_report(self.probe, self.events), "caught_up": caught_up, "queries": queries,
+                "equals_export": equals_export(self.address, self.servers)}
+
+    def __exit__(self, *exc) -> None:
+        if self.load is not None:
+            self.load.stop()
+        if self.probe is not None:
+            self.probe.close()
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
