@@ -118,6 +118,13 @@ def _delta_pages(client, name: str, max_message_bytes: int, since: int) -> list:
     return _pages(client, name, max_message_bytes, since, state=False)
 
 
+def _whole(pages: list) -> bool:
+    """Whether a shard's delta pages are one consistent read: all read in one round (no round applied between
+    them) and together every row the shard counts (a page sized before a round and read after it holds fewer
+    rows than ``total_rows``)."""
+    return len({p.round for p in pages}) == 1 and sum(len(p.ids) // 8 for p in pages) == pages[-1].total_rows
+
+
 @dataclass
 class TableDelta:
     """What changed in one table on every shard since a sparse round per shard (``table_delta``).
@@ -184,17 +191,20 @@ def table_delta(clients, name: str, since: list[int], max_message_bytes: int = D
     ids, weights, evicted, rounds, spec, wire, now, positions = [], [], [], [], None, 0, [], []
     forgotten = False
     for client, start in zip(clients, since):
-        for _ in range(3):  # pages read across a round would mix two states of the shard: read them again
+        for _ in range(3):  # a read across a round mixes two states of the shard, or misses rows: read it again
             pages = _delta_pages(client, name, max_message_bytes, start)
             wire += sum(p.ByteSize() for p in pages)
-            if len({p.round for p in pages}) == 1:
+            whole = _whole(pages)
+            if whole:
                 break
         spec = spec or TableSpec.from_proto(pages[0].spec)
-        rounds.append(min(p.round for p in pages))  # (rows newer than that come again with the next delta)
+        # a read that stayed partial: its rows are applied (each is the shard's, newer than the replica's), and
+        # the next delta reads again from ``start``, so no row pushed since is missed; what it holds is unknown
+        rounds.append(pages[0].round if whole else start)
         forgotten |= pages[0].evictions_forgotten or pages[0].round < start  # forgot, or went back
         forgotten |= len({p.incarnation for p in pages}) > 1  # the shard restarted while its pages were read
         now.append(pages[0].incarnation)
-        positions.append({q.partition: q.rows for q in pages[0].positions if q.HasField("rows")})
+        positions.append({q.partition: q.rows for q in pages[0].positions if q.HasField("rows")} if whole else {})
         evicted.append(ids_from(pages[0].evicted))
         for r in pages:
             part = ids_from(r.ids)
@@ -202,7 +212,12 @@ def table_delta(clients, name: str, since: list[int], max_message_bytes: int = D
             weights.append(rows_from(r.weights, part.numel(), spec.embedding_dim, spec.row_dtype))
     forgotten |= incarnations is not None and list(incarnations) != now
     all_ids = torch.cat(ids)
-    order = torch.argsort(all_ids)
-    return TableDelta(spec=spec, ids=all_ids[order], weights=torch.cat(weights)[order],
+    order = torch.argsort(all_ids, stable=True)
+    all_ids, all_weights = all_ids[order], torch.cat(weights)[order]
+    if all_ids.numel() > 1:  # a partial read may hold an id twice (rows moved between its pages): keep the later
+        last = torch.ones_like(all_ids, dtype=torch.bool)
+        last[:-1] = all_ids[1:] != all_ids[:-1]
+        all_ids, all_weights = all_ids[last], all_weights[last]
+    return TableDelta(spec=spec, ids=all_ids, weights=all_weights,
                       evicted=torch.unique(torch.cat(evicted)), rounds=rounds, forgotten=forgotten,
                       incarnations=now, wire_bytes=wire, positions=positions)
