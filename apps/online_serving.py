@@ -4,7 +4,7 @@ Used by ``shardps train movielens --online --serve`` and by ``benchmarks/serving
 
 - :func:`start_serve`: a ``shardps serve`` process subscribed to the training shards, once it has read its
   first state;
-- :class:`QueryLoad`: a client thread sending ``Lookup`` (2,000 user ids) and ``Score`` (one user against 100
+- :class:`QueryLoad`: a client process sending ``Lookup`` (2,000 user ids) and ``Score`` (one user against 100
   items) queries alternately at a steady rate, each timed from send to answer, every failure counted;
 - :func:`freshness_report`: each streamed event's event-to-visible seconds (``FreshnessProbe``), their
   quantiles and histogram, and the deltas' wire bytes against the least bytes they needed;
@@ -31,6 +31,7 @@ __all__ = ["BUCKETS", "QueryLoad", "Served", "equals_export", "freshness_report"
 #: Histogram buckets of event-to-visible seconds (upper bounds; the last is +inf).
 BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, float("inf"))
 MF_TABLES = ("user", "item", "user_bias", "item_bias")
+REQUESTS = 512  # distinct requests of each kind a QueryLoad cycles through
 
 
 def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_every: float = 5.0,
@@ -60,67 +61,103 @@ def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_ev
     return process, address
 
 
-class QueryLoad:
-    """Queries a replica at ``qps`` in a daemon thread until :meth:`stop`: a ``Lookup`` of 2,000 ids of
-    ``user`` (in [1, users]) and a ``Score`` of a user against 100 items (in [1, items]) alternately.
+def _query_loop(address: str, qps: float, users: int, items: int, seed: int, stop, conn) -> None:
+    """The client process of :class:`QueryLoad`: queries until ``stop`` is set, then sends its results."""
+    g = torch.Generator().manual_seed(seed)
+    # The requests are built before the clock starts and sent in turn, as a load generator does: the client's
+    # own CPU, which shares the machine with what it measures, stays small.
+    lookups = [pb.LookupRequest(table="user", ids=ids_bytes(torch.randint(1, users + 1, (2000,), generator=g)))
+               for _ in range(REQUESTS)]
+    scores = [pb.ScoreRequest(user=int(torch.randint(1, users + 1, (1,), generator=g)),
+                              items=ids_bytes(torch.randint(1, items + 1, (100,), generator=g)))
+              for _ in range(REQUESTS)]
+    latencies, failed, codes, answered_at = {"lookup": [], "score": []}, {"lookup": 0, "score": 0}, [], []
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.ServingStub(channel)
+    started, k = time.monotonic(), 0
+    try:
+        while not stop.is_set():
+            due = started + k / qps
+            if due > time.monotonic():
+                stop.wait(due - time.monotonic())
+                continue
+            kind = "lookup" if k % 2 == 0 else "score"
+            if kind == "lookup":
+                request, call = lookups[(k // 2) % REQUESTS], stub.Lookup
+            else:
+                request, call = scores[(k // 2) % REQUESTS], stub.Score
+            sent = time.perf_counter()
+            try:
+                call(request, timeout=5)
+                latencies[kind].append(1e3 * (time.perf_counter() - sent))
+                answered_at.append(time.time())
+            except grpc.RpcError as exc:
+                failed[kind] += 1
+                codes.append(exc.code().name)
+            k += 1
+    finally:
+        channel.close()
+        conn.send({"latencies": latencies, "failed": failed, "codes": codes, "answered_at": answered_at})
+        conn.close()
 
-    Attributes:
+
+class QueryLoad:
+    """Queries a replica at ``qps`` from a client process of its own (so that the caller's threads, a trainer's
+    among them, do not delay the client and inflate what it measures) until :meth:`stop`: a ``Lookup`` of 2,000
+    ids of ``user`` (in [1, users]) and a ``Score`` of a user against 100 items (in [1, items]) alternately, each
+    timed from send to answer with a 5 s deadline.
+
+    Attributes (filled by :meth:`stop`):
         latencies: ``{"lookup": [ms], "score": [ms]}`` of the answered queries; failed: failures by kind;
         codes: the status codes of the failures; answered_at: ``time.time()`` of every answer.
+
+    Raises:
+        RuntimeError: from :meth:`stop`, when the client process died without reporting.
     """
 
     def __init__(self, address: str, qps: float, *, users: int = 943, items: int = 1682, seed: int = 1) -> None:
+        import multiprocessing as mp
+
         self.address, self.qps, self.users, self.items = address, qps, users, items
         self.latencies = {"lookup": [], "score": []}
         self.failed = {"lookup": 0, "score": 0}
         self.codes: list[str] = []
         self.answered_at: list[float] = []
-        self._g = torch.Generator().manual_seed(seed)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shardps-queries", daemon=True)
+        ctx = mp.get_context("spawn")  # no fork of a process with gRPC threads
+        self._stop = ctx.Event()
+        self._results, child = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_query_loop, name="shardps-queries", daemon=True,
+                                    args=(address, qps, users, items, seed, self._stop, child))
+        self._child, self._report = child, None
 
     def start(self) -> "QueryLoad":
-        self._thread.start()
+        self._process.start()
+        self._child.close()
         return self
 
-    def _run(self) -> None:
-        channel = grpc.insecure_channel(self.address)
-        stub = pb_grpc.ServingStub(channel)
-        started, k = time.monotonic(), 0
-        try:
-            while not self._stop.is_set():
-                due = started + k / self.qps
-                if due > time.monotonic():
-                    self._stop.wait(due - time.monotonic())
-                    continue
-                kind = "lookup" if k % 2 == 0 else "score"
-                if kind == "lookup":
-                    ids = torch.randint(1, self.users + 1, (2000,), generator=self._g)
-                    request, call = pb.LookupRequest(table="user", ids=ids_bytes(ids)), stub.Lookup
-                else:
-                    user = int(torch.randint(1, self.users + 1, (1,), generator=self._g))
-                    items = torch.randint(1, self.items + 1, (100,), generator=self._g)
-                    request, call = pb.ScoreRequest(user=user, items=ids_bytes(items)), stub.Score
-                sent = time.perf_counter()
-                try:
-                    call(request, timeout=5)
-                    self.latencies[kind].append(1e3 * (time.perf_counter() - sent))
-                    self.answered_at.append(time.time())
-                except grpc.RpcError as exc:
-                    self.failed[kind] += 1
-                    self.codes.append(exc.code().name)
-                k += 1
-        finally:
-            channel.close()
-
     def stop(self) -> dict:
-        """Stop and return ``{kind: {"answered", "failed", "p50_ms", "p99_ms"}}``."""
+        """Stop the client (once; later calls return the same report) and return ``{kind: {"answered",
+        "failed", "p50_ms", "p99_ms"}}``."""
+        if self._report is not None:
+            return self._report
         self._stop.set()
-        self._thread.join(30)
+        try:
+            got = self._results.recv() if self._results.poll(60) else None
+        except EOFError:
+            got = None
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(10)
+        if got is None:
+            raise RuntimeError(f"the query client exited {self._process.exitcode} without reporting its results")
+        self.latencies, self.failed = got["latencies"], got["failed"]
+        self.codes, self.answered_at = got["codes"], got["answered_at"]
         out = {}
         for kind, values in self.latencies.items():
             q = statistics.quantiles(values, n=100) if len(values) >= 2 else [float("nan")] * 99
             out[kind] = {"answered": len(values), "failed": self.failed[kind], "p50_ms": q[49], "p99_ms": q[98]}
+        self._report = out
         return out
 
 
@@ -199,7 +236,7 @@ class Served:
         from shardps.worker.serving.freshness import FreshnessProbe
 
         self.process, self.address = start_serve(self.servers, period=self.period)
-        self.probe = FreshnessProbe(self.address, self.partition).start()
+        self.probe = FreshnessProbe(self.address, self.partition, poll=1.0).start()  # 256 states: 128 s
         if self.qps > 0:
             self.load = QueryLoad(self.address, self.qps).start()
         return self
@@ -217,7 +254,10 @@ class Served:
 
     def __exit__(self, *exc) -> None:
         if self.load is not None:
-            self.load.stop()
+            try:
+                self.load.stop()
+            except RuntimeError:  # the client died: what the caller raised (if anything) says more
+                pass
         if self.probe is not None:
             self.probe.close()
         if self.process is not None:

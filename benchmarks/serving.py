@@ -1,7 +1,7 @@
 """A serving replica under training load: query latency, and what the replica costs training.
 
     python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
-                                 [--rate 2000] [--limit 0] [--warm-epochs 5]
+                                 [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both]
 
 Part 1, what the replica costs training.
 
@@ -12,14 +12,14 @@ interleaved ``--repeats`` times:
 
 - ``alone``: training only (its steps/s);
 - ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s) and a
-  client in this process sending, at ``--qps`` queries per second in total, one ``Lookup`` of 2,000 user ids
+  client process of its own sending, at ``--qps`` queries per second in total, one ``Lookup`` of 2,000 user ids
   and one ``Score`` of a user against 100 items alternately, each timed from send to answer.
 
 Reported per run: training steps/s; per query kind p50/p99 latency (ms) and the answers' count (every query must
 be answered: a failed one is counted); for ``served`` also the replica's delta bytes and states. The issue's
 goals (2 cores): a 2,000-id lookup p99 <= 5 ms, scoring one user against 100 items p99 <= 10 ms at 200 queries/s,
 training slowed by at most 20% with the replica subscribed. No speed is asserted anywhere; the figures are
-printed and written (``--json``). Processes here: 2 shards, the trainer, the replica and this client share the
+printed and written (``--json``). Processes here: 2 shards, the trainer, the replica and the client share the
 machine's cores.
 
 Part 2, freshness during the online MovieLens job (``shardps train movielens --online --serve``, at ``--rate``
@@ -132,19 +132,8 @@ def online(args) -> dict:
                                    "gain_vs_baseline", "serving")} | {"rate": args.rate}
 
 
-def main() -> None:
-    """Interleave the runs, print the table and the goals, write the JSON."""
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA, help=f"the ml-100k folder (default {DEFAULT_DATA})")
-    p.add_argument("--seconds", type=float, default=20.0, help="seconds of training per run (default 20)")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved (alone, served) pairs (default 2)")
-    p.add_argument("--qps", type=float, default=200.0, help="queries per second in total (default 200)")
-    p.add_argument("--rate", type=float, default=2000.0, help="part 2: events per second of the online job (default 2000)")
-    p.add_argument("--limit", type=int, default=0, help="part 2: streamed events at most (default 0: all 50,000)")
-    p.add_argument("--warm-epochs", type=int, default=5, help="part 2: epochs of the warm start (default 5)")
-    args = p.parse_args()
-    if not (args.data_dir / "u.data").is_file():
-        raise SystemExit(f"{args.data_dir / 'u.data'} not found: pass --data-dir PATH/ml-100k")
+def part_one(args) -> dict:
+    """Part 1: the interleaved (alone, served) runs; prints their table and the goals, returns their figures."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="shardps-serving-") as tmp:
         for repeat in range(args.repeats):
@@ -168,16 +157,36 @@ def main() -> None:
     print(f"training with the replica subscribed: {trained:.1f} steps/s against {alone:.1f} alone ({100 * slowdown:.0f}% "
           f"slower; goal at most 20%); lookup p99 {lookup99:.2f} ms (goal 5), score p99 {score99:.2f} ms (goal 10) "
           f"at {args.qps:g} queries/s; {failed} queries failed")
-    part2 = online(args)
-    fresh = part2["serving"]
-    print(f"part 2, the online job at {args.rate:g} events/s: event-to-visible p50 {fresh['p50_s']:.2f} s, p99 "
-          f"{fresh['p99_s']:.2f} s (goals 1 and 2) over {fresh['events']} events; delta bytes "
-          f"{fresh['delta_overhead']:.3f}x the touched rows' (goal 1.1); replica equals the export: "
-          f"{fresh['equals_export']['tables'] and fresh['equals_export']['score']}; lookup p99 "
-          f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
-    emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "runs": runs, "alone_steps_per_s": alone,
-          "served_steps_per_s": trained, "slowdown": slowdown, "lookup_p99_ms": lookup99, "score_p99_ms": score99,
-          "failed": failed, "online": part2, "machine": machine()}, args.json)
+    return {"runs": runs, "alone_steps_per_s": alone, "served_steps_per_s": trained, "slowdown": slowdown,
+            "lookup_p99_ms": lookup99, "score_p99_ms": score99, "failed": failed}
+
+
+def main() -> None:
+    """Interleave the runs, print the table and the goals, write the JSON."""
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA, help=f"the ml-100k folder (default {DEFAULT_DATA})")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds of training per run (default 20)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved (alone, served) pairs (default 2)")
+    p.add_argument("--qps", type=float, default=200.0, help="queries per second in total (default 200)")
+    p.add_argument("--rate", type=float, default=2000.0, help="part 2: events per second of the online job (default 2000)")
+    p.add_argument("--limit", type=int, default=0, help="part 2: streamed events at most (default 0: all 50,000)")
+    p.add_argument("--warm-epochs", type=int, default=5, help="part 2: epochs of the warm start (default 5)")
+    p.add_argument("--part", choices=("1", "2", "both"), default="both", help="the parts to run (default both)")
+    args = p.parse_args()
+    if not (args.data_dir / "u.data").is_file():
+        raise SystemExit(f"{args.data_dir / 'u.data'} not found: pass --data-dir PATH/ml-100k")
+    figures = {}
+    if args.part in ("1", "both"):
+        figures.update(part_one(args))
+    if args.part in ("2", "both"):
+        figures["online"] = part2 = online(args)
+        fresh = part2["serving"]
+        print(f"part 2, the online job at {args.rate:g} events/s: event-to-visible p50 {fresh['p50_s']:.2f} s, p99 "
+              f"{fresh['p99_s']:.2f} s (goals 1 and 2) over {fresh['events']} events; delta bytes "
+              f"{fresh['delta_overhead']:.3f}x the touched rows' (goal 1.1); replica equals the export: "
+              f"{fresh['equals_export']['tables'] and fresh['equals_export']['score']}; lookup p99 "
+              f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
+    emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, **figures, "machine": machine()}, args.json)
 
 
 if __name__ == "__main__":
