@@ -74,6 +74,7 @@ def _query_loop(address: str, qps: float, users: int, items: int, seed: int, sto
     latencies, failed, codes, answered_at = {"lookup": [], "score": []}, {"lookup": 0, "score": 0}, [], []
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.ServingStub(channel)
+    conn.send("ready")
     started, k = time.monotonic(), 0
     try:
         while not stop.is_set():
@@ -130,9 +131,22 @@ class QueryLoad:
                                     args=(address, qps, users, items, seed, self._stop, child))
         self._child, self._report = child, None
 
-    def start(self) -> "QueryLoad":
+    def start(self, timeout: float = 120.0) -> "QueryLoad":
+        """Start the client process and return once it sends its first query.
+
+        Raises:
+            RuntimeError: it was not ready within ``timeout`` seconds (it is killed).
+        """
         self._process.start()
         self._child.close()
+        try:
+            ready = self._results.poll(timeout) and self._results.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
+            self._process.kill()
+            self._process.join(10)
+            raise RuntimeError(f"the query client was not ready within {timeout:g} s (exit {self._process.exitcode})")
         return self
 
     def stop(self) -> dict:
