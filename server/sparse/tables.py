@@ -497,8 +497,9 @@ class SparseTables:
         """
         table = self._table(request.table)
         await self._settled()
-        reply = replies.ExportReply.page(table, request.offset, request.max_rows, request.state, self.store.config,
-                                         request.since_round, deltas.shard_fields(self.store))
+        extra = deltas.shard_fields(self.store)  # read before the rows; sized on the compute thread (the index)
+        reply = await self.store.run(replies.ExportReply.page, table, request.offset, request.max_rows,
+                                     request.state, self.store.config, request.since_round, extra, priority=SPARSE)
         self._note_round()
         return await self.replies.serve(reply, "ask for fewer rows a page (max_rows)", sent,
                                         lambda: self.store.run(reply.read, self._round_now, priority=SPARSE))
