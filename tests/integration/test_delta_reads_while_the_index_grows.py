@@ -16,12 +16,11 @@ import threading
 import time
 
 import torch
-from torch import nn
 
-from shardps.worker import DistributedOptimizer, ShardedEmbedding
 from shardps.worker.embedding.export import export_table
 from shardps.worker.serving.replica import Replica
 from tests.support.forked import ForkedCluster
+from tests.support.row_trainer import RowTrainer
 
 SECONDS = 8.0
 IDS_PER_ROUND = 2048
@@ -30,25 +29,9 @@ READERS = 3
 
 def test_delta_reads_while_rounds_grow_the_index_never_fail():
     with ForkedCluster(1, extra_args=("--threads", "1")) as shards:
-        model = nn.ModuleDict({"emb": ShardedEmbedding(None, 8, name="emb")})
-        bias = nn.Parameter(torch.zeros(1))
-        dist = DistributedOptimizer(torch.optim.SGD([bias], lr=0.1), [("bias", bias)], servers=shards.servers,
-                                    model=model, worker_id="w0",
-                                    sparse_optimizer=torch.optim.Adagrad([model["emb"].handle], lr=0.1))
-        stop, steps, failed = threading.Event(), [0], []
+        trainer = RowTrainer(shards.servers, IDS_PER_ROUND)
+        stop, failed = threading.Event(), []
         replicas = [Replica(shards.servers, ["emb"], period=0.05, dense_every=None) for _ in range(READERS)]
-
-        def train() -> None:
-            g = torch.Generator().manual_seed(0)
-            try:
-                while not stop.is_set():
-                    ids = torch.randint(0, 1 << 40, (IDS_PER_ROUND,), generator=g)
-                    dist.zero_grad()
-                    (model["emb"](ids).sum(1) + bias - 1.0).pow(2).mean().backward()
-                    dist.step()
-                    steps[0] += 1
-            except Exception as exc:  # noqa: BLE001 - the test fails on it
-                failed.append(exc)
 
         def read(replica: Replica) -> None:
             try:
@@ -57,25 +40,25 @@ def test_delta_reads_while_rounds_grow_the_index_never_fail():
             except Exception as exc:  # noqa: BLE001 - the test fails on it
                 failed.append(exc)
 
-        threads = [threading.Thread(target=train, daemon=True)] + \
-            [threading.Thread(target=read, args=(r,), daemon=True) for r in replicas]
+        threads = [threading.Thread(target=read, args=(r,), daemon=True) for r in replicas]
         try:
+            trainer.start()
             for t in threads:
                 t.start()
             deadline = time.monotonic() + SECONDS
-            while time.monotonic() < deadline and not failed:
+            while time.monotonic() < deadline and not failed and not trainer.failed:
                 time.sleep(0.1)
             stop.set()
             for t in threads:
                 t.join(60)
-            assert not failed, failed[0]
-            dist.synchronize()
-            assert steps[0] > 10
-            full = export_table(dist.clients, "emb")
+            trainer.stop()
+            assert not failed and not trainer.failed, (failed + trainer.failed)[0]
+            assert trainer.steps > 10
+            full = export_table(trainer.dist.clients, "emb")
             for replica in replicas:
                 mine = replica.refresh().tables["emb"]
                 assert torch.equal(mine.ids, full.ids) and torch.equal(mine.weights, full.weights)
         finally:
             for r in replicas:
                 r.close()
-            dist.close()
+            trainer.dist.close()

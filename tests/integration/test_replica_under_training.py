@@ -9,39 +9,22 @@ refreshing every 20 ms; after the trainer stops, one refresh must equal the expo
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
-from torch import nn
 
-from shardps.worker import DistributedOptimizer, ShardedEmbedding
 from shardps.worker.embedding.export import export_table
 from shardps.worker.serving.replica import Replica
 from tests.support.forked import ForkedCluster
+from tests.support.row_trainer import RowTrainer
 
 SECONDS = 6.0
 
 
 def test_a_replica_refreshing_during_training_misses_no_row():
     with ForkedCluster(2, extra_args=("--threads", "1")) as shards:
-        model = nn.ModuleDict({"emb": ShardedEmbedding(None, 8, name="emb")})
-        bias = nn.Parameter(torch.zeros(1))
-        dist = DistributedOptimizer(torch.optim.SGD([bias], lr=0.1), [("bias", bias)], servers=shards.servers,
-                                    model=model, worker_id="w0",
-                                    sparse_optimizer=torch.optim.Adagrad([model["emb"].handle], lr=0.1))
-        stop, steps = threading.Event(), [0]
-
-        def train() -> None:
-            g = torch.Generator().manual_seed(0)
-            while not stop.is_set():
-                ids = torch.randint(0, 1 << 40, (64,), generator=g)  # new rows every round
-                dist.zero_grad()
-                (model["emb"](ids).sum(1) + bias - 1.0).pow(2).mean().backward()
-                dist.step()
-                steps[0] += 1
-
-        trainer = threading.Thread(target=train, daemon=True)
+        trainer = RowTrainer(shards.servers, 64)
+        dist = trainer.dist
         try:
             with Replica(shards.servers, ["emb"], period=0.05, dense_every=None) as replica:
                 try:
@@ -50,10 +33,9 @@ def test_a_replica_refreshing_during_training_misses_no_row():
                     while time.monotonic() < deadline:
                         replica.refresh()
                 finally:
-                    stop.set()
-                    trainer.join(60)
-                    dist.synchronize()
-                assert steps[0] > 20 and replica.deltas > 20
+                    trainer.stop()
+                assert not trainer.failed, trainer.failed[0]
+                assert trainer.steps > 20 and replica.deltas > 20
                 state = replica.refresh()
                 full = export_table(dist.clients, "emb")
                 mine = state.tables["emb"]
