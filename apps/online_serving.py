@@ -35,8 +35,8 @@ REQUESTS = 512  # distinct requests of each kind a QueryLoad cycles through
 
 
 def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_every: float = 5.0,
-                timeout: float = 120.0, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
-    """Start ``shardps serve`` against ``servers`` and wait for its first state.
+                timeout: float = 120.0, nice: int = 0, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``shardps serve`` against ``servers`` and wait for its first state (``nice``: its ``--nice``).
 
     Returns:
         ``(process, "host:port")``; the caller terminates the process (SIGTERM: it exits 0 within 5 s).
@@ -48,7 +48,8 @@ def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_ev
 
     process = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers", servers, "--tables",
                                 ",".join(tables), "--period", str(period), "--dense-every", str(dense_every),
-                                *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                *(("--nice", str(nice)) if nice else ()), *extra],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = iter(process.stdout.readline, "")
         address = wait_for(lines, "serving on ", timeout)
@@ -239,17 +240,19 @@ class Served:
     Args:
         servers: the training shards (``"host:port,..."``). partition: the stream partition trained.
         period: the replica's refresh period (seconds). qps: queries per second (0: none).
+        nice: the replica's ``shardps serve --nice`` (0: unchanged).
     """
 
-    def __init__(self, servers: str, partition: str, *, period: float = 0.5, qps: float = 200.0) -> None:
-        self.servers, self.partition, self.period, self.qps = servers, partition, period, qps
+    def __init__(self, servers: str, partition: str, *, period: float = 0.5, qps: float = 200.0,
+                 nice: int = 0) -> None:
+        self.servers, self.partition, self.period, self.qps, self.nice = servers, partition, period, qps, nice
         self.events: dict[int, float] = {}  # stream offset -> event time (seconds): the broker entry's time
         self.process = self.probe = self.load = None
 
     def __enter__(self) -> "Served":
         from shardps.worker.serving.freshness import FreshnessProbe
 
-        self.process, self.address = start_serve(self.servers, period=self.period)
+        self.process, self.address = start_serve(self.servers, period=self.period, nice=self.nice)
         self.probe = FreshnessProbe(self.address, self.partition, poll=1.0).start()  # 256 states: 128 s
         if self.qps > 0:
             self.load = QueryLoad(self.address, self.qps).start()

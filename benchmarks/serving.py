@@ -1,7 +1,7 @@
 """A serving replica under training load: query latency, and what the replica costs training.
 
     python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
-                                 [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both]
+                                 [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both] [--serve-nice -10]
 
 Part 1, what the replica costs training.
 
@@ -11,7 +11,8 @@ ratings in random batches of 256 for ``--seconds`` seconds, as fast as it can, w
 interleaved ``--repeats`` times:
 
 - ``alone``: training only (its steps/s);
-- ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s) and a
+- ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s, ``--nice``
+  ``--serve-nice``: -10 by default, so that queries run before training's work on the shared cores) and a
   client process of its own sending, at ``--qps`` queries per second in total, one ``Lookup`` of 2,000 user ids
   and one ``Score`` of a user against 100 items alternately, each timed from send to answer.
 
@@ -24,7 +25,7 @@ machine's cores.
 
 Part 2, freshness during the online MovieLens job (``shardps train movielens --online --serve``, at ``--rate``
 events per second, ``apps/online_serving.py``): the replica refreshes every 0.5 s while the client queries it at
-``--qps``; per streamed event, the seconds from its entry into the broker to the first replica state holding it
+``--qps`` (at ``--serve-nice`` too); per streamed event, the seconds from its entry into the broker to the first replica state holding it
 (p50, p99, histogram; goals p50 <= 1 s, p99 <= 2 s); the deltas' bytes on the wire against the least bytes of
 the rows they moved (goal <= 1.1x); whether, once the stream is trained, the replica equals the export exactly.
 """
@@ -98,7 +99,7 @@ def run(kind: str, args, out_dir: str) -> dict:
         serve = None
         try:
             if kind == "served":
-                serve, address = start_serve(cluster.servers, period=0.5)
+                serve, address = start_serve(cluster.servers, period=0.5, nice=args.serve_nice)
             out = os.path.join(out_dir, f"{kind}.json")
             trainer = ctx.Process(target=_train, args=(cluster.servers, str(args.data_dir), args.seconds, out))
             trainer.start()
@@ -126,7 +127,7 @@ def online(args) -> dict:
     from shardps.apps.movielens_online import OnlineConfig, run_online
 
     config = OnlineConfig(data_dir=str(args.data_dir), rate=args.rate, limit=args.limit, serve=True,
-                          serve_qps=args.qps, warm_epochs=args.warm_epochs)
+                          serve_qps=args.qps, warm_epochs=args.warm_epochs, serve_nice=args.serve_nice)
     report = run_online(config, say=lambda text: print(text, flush=True))
     return {k: report[k] for k in ("events", "events_per_s", "latency_p50_s", "latency_p99_s", "progressive_rmse",
                                    "gain_vs_baseline", "serving")} | {"rate": args.rate}
@@ -161,6 +162,14 @@ def part_one(args) -> dict:
             "lookup_p99_ms": lookup99, "score_p99_ms": score99, "failed": failed}
 
 
+def may_lower_nice(nice: int) -> bool:
+    """Whether a process of this user may set its nice value to ``nice`` (tried in a child process)."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", f"import os; os.setpriority(os.PRIO_PROCESS, 0, {nice})"],
+                          capture_output=True).returncode == 0
+
+
 def main() -> None:
     """Interleave the runs, print the table and the goals, write the JSON."""
     p = parser(__doc__.splitlines()[0])
@@ -172,7 +181,14 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=0, help="part 2: streamed events at most (default 0: all 50,000)")
     p.add_argument("--warm-epochs", type=int, default=5, help="part 2: epochs of the warm start (default 5)")
     p.add_argument("--part", choices=("1", "2", "both"), default="both", help="the parts to run (default both)")
+    p.add_argument("--serve-nice", type=int, default=-10,
+                   help="the replica's `shardps serve --nice` (default -10: queries before training's work; 0 where "
+                        "this user may not lower a nice value)")
     args = p.parse_args()
+    if args.serve_nice < 0 and not may_lower_nice(args.serve_nice):
+        print(f"this user may not lower a nice value (CAP_SYS_NICE): the replica runs at --serve-nice 0, not "
+              f"{args.serve_nice}", flush=True)
+        args.serve_nice = 0
     if not (args.data_dir / "u.data").is_file():
         raise SystemExit(f"{args.data_dir / 'u.data'} not found: pass --data-dir PATH/ml-100k")
     figures = {}
@@ -186,7 +202,7 @@ def main() -> None:
               f"{fresh['delta_overhead']:.3f}x the touched rows' (goal 1.1); replica equals the export: "
               f"{fresh['equals_export']['tables'] and fresh['equals_export']['score']}; lookup p99 "
               f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
-    emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, **figures, "machine": machine()}, args.json)
+    emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "serve_nice": args.serve_nice, **figures, "machine": machine()}, args.json)
 
 
 if __name__ == "__main__":

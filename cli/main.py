@@ -211,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--online --serve: the replica's refresh period in seconds (default 0.5)")
     m.add_argument("--serve-qps", type=float, default=200.0,
                    help="--online --serve: queries per second sent to the replica (default 200; 0: none)")
+    m.add_argument("--serve-nice", type=int, default=0,
+                   help="--online --serve: the replica's `shardps serve --nice` (default 0; -10 puts its queries "
+                        "before training's work on shared cores; a negative value needs CAP_SYS_NICE)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     serve_cli.add_command(sub, _servers)
@@ -303,7 +306,8 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
                           warm_epochs=args.warm_epochs, rate=args.rate, limit=args.limit, dim=args.dim, lr=args.lr,
                           seed=args.seed, plot=args.plot, ttl_days=args.ttl_days,
                           item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days,
-                          serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps)
+                          serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps,
+                          serve_nice=args.serve_nice)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -139,13 +140,16 @@ def _start_serve(servers: str):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers", servers, "--tables",
-                             "user,item,user_bias,item_bias", "--period", "0.2", "--dense-every", "0"],
+                             "user,item,user_bias,item_bias", "--period", "0.2", "--dense-every", "0", "--nice", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = iter(proc.stdout.readline, "")
     from shardps.apps.processes import wait_for
 
     address = wait_for(lines, "serving on ")
     wait_for(lines, "serving tables ")
+    nice = {int(open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+            for t in os.listdir(f"/proc/{proc.pid}/task")}
+    assert nice == {5}, f"shardps serve --nice 5: its threads run at nice {nice}"
     return proc, address
 
 
@@ -202,6 +206,10 @@ def test_shardps_serve_answers_lookups_and_scores_as_the_export_and_catches_up_a
                         break
                     time.sleep(0.1)
                 assert torch.equal(rows, want["user"].lookup(asked)), "the replica did not catch up within 15 s"
+                held = torch.arange(30).flip(0)  # inside the table's dense range: its direct rows answer
+                reply = stub.Lookup(pb.LookupRequest(table="user", ids=ids_bytes(held)), timeout=10)
+                assert torch.equal(torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(30, reply.dim),
+                                   want["user"].lookup(held))
                 time.sleep(0.5)  # the dense parameters came with the same refresh or the next
                 items = torch.arange(40)
                 scores = stub.Score(pb.ScoreRequest(user=7, items=ids_bytes(items)), timeout=10)

@@ -31,6 +31,7 @@ import torch
 from shardps.common.addresses import parse_servers
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES
 from shardps.worker.embedding.export import TableExport, table_delta
+from shardps.worker.serving.direct import DirectRows, direct_rows
 from shardps.worker.session.client import ShardClient
 
 __all__ = ["HISTORY", "Replica", "ReplicaState"]
@@ -54,7 +55,9 @@ class ReplicaState:
         incarnations: ``{table: [each shard's process incarnation when read]}`` (a restart reuses round numbers);
         positions: ``{stream partition: offset}``: every event up to the offset is in this state's tables on every
             shard (the lowest offset any shard's rows held before its pages were read, ``TableDelta.positions``; exactly-once stream training, ``shardps.worker.stream.exactly_once``), for measuring freshness;
-        dense_at: ``time.time()`` when ``dense`` was read (0: never).
+        dense_at: ``time.time()`` when ``dense`` was read (0: never);
+        direct: ``{table: DirectRows}`` of the tables whose ids are dense in a range (``worker.serving.direct``):
+            a lookup inside the range is one gather, with the same answers as the table's.
     """
 
     tables: dict[str, TableExport]
@@ -66,6 +69,7 @@ class ReplicaState:
     incarnations: dict[str, list[str]] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)
     dense_at: float = 0.0
+    direct: dict[str, DirectRows] = field(default_factory=dict)
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[*ids.shape, dim]`` rows of int64 ``ids`` of ``table`` in this state.
@@ -75,6 +79,9 @@ class ReplicaState:
         """
         if table not in self.tables:
             raise KeyError(f"this replica serves tables {sorted(self.tables)}, not {table!r}")
+        direct = self.direct.get(table)
+        if direct is not None and (rows := direct.lookup(ids.reshape(-1))) is not None:
+            return rows.view(*ids.shape, rows.shape[-1])
         return self.tables[table].lookup(ids)
 
 
@@ -153,7 +160,7 @@ class Replica:
         """
         with self._lock:
             old, n = self._state, len(self._connect())
-            tables, rounds, incarnations, held = {}, {}, {}, []
+            tables, rounds, incarnations, held, direct = {}, {}, {}, [], {}
             for name in self.names:
                 since = old.rounds[name] if old is not None else [0] * n
                 delta = self._counted(table_delta(self.clients, name, since, self.max_message_bytes,
@@ -166,10 +173,14 @@ class Replica:
                     self.snapshots += 1
                     base = TableExport(delta.spec, torch.empty(0, dtype=torch.int64),
                                        torch.empty(0, delta.spec.embedding_dim), {}, 0, [])
+                    previous = ()
                 else:
                     self.deltas += 1
                     base = old.tables[name]
+                    previous = (old.direct.get(name), torch.cat([delta.ids, delta.evicted]))
                 tables[name] = delta.apply(base)
+                if (rows := direct_rows(tables[name], *previous)) is not None:
+                    direct[name] = rows
                 rounds[name], incarnations[name] = delta.rounds, delta.incarnations
                 held += delta.positions
             if len({tuple(v) for v in incarnations.values()}) > 1:  # the next refresh reads the tables whole
@@ -181,7 +192,7 @@ class Replica:
                 self._dense_at = time.monotonic()
             positions = {k: min(h[k] for h in held) for k in sorted(set.intersection(*map(set, held)))}
             state = ReplicaState(tables, dense, rounds, versions, (old.number if old is not None else 0) + 1,
-                                 time.time(), incarnations, positions, dense_at)
+                                 time.time(), incarnations, positions, dense_at, direct)
             self._state = state  # one reference: a reader sees the old state or this one, whole
             self.history.append((state.number, state.made_at, positions, list(versions), dense_at))
             return state
