@@ -212,20 +212,39 @@ def set_priority(nice: int) -> None:
 
     Raises:
         ValueError: ``nice`` outside [-20, 19], or lower than the process may set (the message names
-            CAP_SYS_NICE).
+            CAP_SYS_NICE and RLIMIT_NICE); every thread keeps its priority then.
     """
     import os
 
     if not -20 <= nice <= 19:
         raise ValueError(f"--nice must be in [-20, 19], got {nice}")
     threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    before = {}
+    for thread in threads:
+        try:
+            before[thread] = os.getpriority(os.PRIO_PROCESS, thread)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    # the threads to lower first: the one change that may be refused (raising a nice value never is), and the
+    # same floor holds for every thread of a process, so a refusal comes before anything changed
+    done: list[tuple[int, int]] = []  # (thread, its priority before), restored on a refusal
     try:
-        for thread in threads:  # Linux: a priority is a thread's, and setpriority(PRIO_PROCESS, 0) is the caller's
-            os.setpriority(os.PRIO_PROCESS, thread, nice)
+        for thread in sorted(before, key=lambda t: before[t] <= nice):  # Linux: a priority is a thread's
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread, nice)
+            except ProcessLookupError:
+                continue
+            done.append((thread, before[thread]))
     except PermissionError:
+        for thread, old in reversed(done):
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread, old)
+            except OSError:  # ended meanwhile
+                pass
         raise ValueError(f"--nice {nice}: this process may not lower its nice value (needs CAP_SYS_NICE: run as "
-                         "root, or add the capability SYS_NICE to the container); leave --nice at 0, or start "
-                         "the training processes with a higher nice value instead") from None
+                         "root, or add the capability SYS_NICE to the container; or a RLIMIT_NICE, `ulimit -e`, "
+                         "that allows it); leave --nice at 0, or start the training processes with a higher nice "
+                         "value instead") from None
 
 
 def run(args: argparse.Namespace) -> int:

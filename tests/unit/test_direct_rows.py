@@ -12,7 +12,7 @@ import torch
 
 from shardps.common.rows import TableSpec
 from shardps.worker.embedding.export import TableDelta, TableExport
-from shardps.worker.serving.direct import MAX_ELEMENTS, direct_rows
+from shardps.worker.serving.direct import MAX_ELEMENTS, SPAN_FACTOR, SPAN_SLACK, direct_rows
 from shardps.worker.serving.replica import ReplicaState
 
 DIM = 4
@@ -59,20 +59,22 @@ def test_deltas_update_the_rows_they_touch_and_a_range_that_grows_is_made_again(
     for k, (pushed, evicted) in enumerate(steps):
         change = delta(t0.spec, pushed, evicted, seed=k + 1)
         t1 = change.apply(t0)
+        kept = d0.rows.clone()
         d1 = direct_rows(t1, d0, torch.cat([change.ids, change.evicted]))
-        asked = torch.arange(-60, 260)
-        if d1 is not None:  # every id of the range, answered by the direct rows alone
+        assert torch.equal(d0.rows, kept)  # the previous state's rows are never changed
+        if d1 is not None:  # every id of the range, answered by the direct rows alone, through the state too
             inside = torch.arange(d1.lo, d1.lo + d1.rows.shape[0])
             assert torch.equal(d1.lookup(inside), t1.lookup(inside))
+            state = ReplicaState({"t": t1}, direct={"t": d1})
+            assert torch.equal(state.lookup("t", inside), t1.lookup(inside))
+            assert torch.equal(state.lookup("t", inside.int()), t1.lookup(inside))  # int32 ids: the same rows
         if k < 2:
             assert d1 is not None and d1.lo == d0.lo and d1.rows.shape[0] == span  # updated in place
-            assert d1.rows.data_ptr() != d0.rows.data_ptr()  # a copy: the previous state is never changed
-            assert d1.lookup(asked[(asked >= d1.lo) & (asked < d1.lo + span)]) is not None
         if k == 2:
             assert d1 is not None and d1.lo + d1.rows.shape[0] > 5000 and d1.lookup(torch.tensor([5000])) is not None
+        asked = torch.arange(-60, 260)  # across the range's ends: the table answers
         assert torch.equal(ReplicaState({"t": t1}, direct={"t": d1} if d1 is not None else {}).lookup("t", asked),
                            t1.lookup(asked))
-        assert torch.equal(ReplicaState({"t": t0}, direct={"t": d0}).lookup("t", asked), t0.lookup(asked))
         t0, d0 = t1, d1
     assert d0 is None
 
@@ -82,11 +84,27 @@ def test_sparse_or_extreme_ids_have_no_direct_rows(ids):
     assert direct_rows(table(ids)) is None
 
 
-def test_direct_rows_stay_within_their_element_budget():
-    n = MAX_ELEMENTS // DIM  # a range of exactly the budget
-    t = TableExport(TableSpec(name="t", embedding_dim=DIM), torch.tensor([0, n - 1]), torch.zeros(2, DIM), {}, 0, [])
-    assert direct_rows(t) is None  # 2 ids over n: too sparse anyway
-    dense = TableExport(TableSpec(name="t", embedding_dim=DIM), torch.arange(1000), torch.zeros(1000, DIM), {}, 0, [])
-    rows = direct_rows(dense)
-    assert rows is not None and rows.rows.numel() <= MAX_ELEMENTS and rows.rows.shape[0] >= 1000
+def dense(n: int, dim: int, step: int = 1) -> TableExport:
+    return TableExport(TableSpec(name="t", embedding_dim=dim), torch.arange(0, n * step, step), torch.zeros(n, dim),
+                       {}, 0, [])
+
+
+def test_direct_rows_stay_within_their_bounds_room_included():
+    dim = 512
+    fits = MAX_ELEMENTS // dim  # 32,768 rows of 512 elements: the element budget exactly
+    rows = direct_rows(dense(fits - 100, dim))
+    assert rows is not None and rows.rows.numel() <= MAX_ELEMENTS  # its room to grow shrinks to fit
+    assert direct_rows(dense(fits + 1, dim)) is None  # dense, but over the element budget
+    sparse = dense(1001, 4, step=69)  # 69,001 ids wide for 1,001 rows: SPAN_FACTOR * 1001 + SPAN_SLACK = 69,540
+    made = direct_rows(sparse)
+    assert made is not None and made.rows.shape[0] <= SPAN_FACTOR * 1001 + SPAN_SLACK
+    grown = direct_rows(sparse, made, torch.tensor([5], dtype=torch.int64))  # nothing new outside: in place
+    assert grown is not None and grown.lo == made.lo and grown.rows.shape == made.rows.shape
     assert direct_rows(table([])) is None
+
+
+def test_ids_of_another_dtype_never_take_the_direct_rows():
+    rows = direct_rows(table(list(range(2**40, 2**40 + 50))))
+    assert rows is not None
+    assert rows.lookup(torch.tensor([3], dtype=torch.int32)) is None  # 3 - 2**40 in int32 would wrap
+    assert rows.lookup(torch.tensor([2**40 + 3])) is not None

@@ -38,9 +38,10 @@ class TableExport:
     steps: list[int]
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of int64 ``ids`` (any shape) as training reads them: ``[*ids.shape, dim]`` float32."""
+        """Rows of int64 ``ids`` (any shape; other integer dtypes are widened to int64 first, as the workers
+        widen int32 ids before they send them) as training reads them: ``[*ids.shape, dim]`` float32."""
         s = self.spec
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1).to(torch.int64)
         if not self.ids.numel():
             return s.initial_rows(flat).view(*ids.shape, s.embedding_dim)
         pos = torch.searchsorted(self.ids, flat).clamp(max=self.ids.numel() - 1)

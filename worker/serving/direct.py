@@ -10,7 +10,8 @@ way an array-backed embedding table is read; any other lookup takes ``TableExpor
 same either way, bit for bit (the direct rows are made by ``TableExport.lookup`` itself).
 
 Memory and time are bounded: a range is direct only when it is at most :data:`SPAN_FACTOR` times the rows held
-plus :data:`SPAN_SLACK`, and at most :data:`MAX_ELEMENTS` elements (``span * dim``; 64 MiB of float32). A new
+plus :data:`SPAN_SLACK`, and at most :data:`MAX_ELEMENTS` elements (``span * dim``; 64 MiB of float32), its
+room to grow included (a range near those bounds gets less room, and is made again more often). A new
 state whose ids stay inside the previous range copies the previous rows and rewrites only the ids its delta
 changed (pushed or evicted); ids outside it make the range again from the table, with an eighth of room on
 each side for the next new ids.
@@ -48,8 +49,8 @@ class DirectRows:
 
     def lookup(self, flat: torch.Tensor) -> torch.Tensor | None:
         """Rows ``[n, dim]`` of int64 ``flat`` ``[n]`` when every id is in the range; None otherwise (ask the
-        table)."""
-        if not flat.numel():
+        table; ids of another dtype too: ``flat - lo`` in int32 could wrap into the range)."""
+        if not flat.numel() or flat.dtype != torch.int64:
             return None
         local = flat - self.lo
         low, high = torch.aminmax(local)
@@ -74,10 +75,11 @@ def direct_rows(table: TableExport, previous: DirectRows | None = None,
         return None
     lo, hi = int(table.ids[0]), int(table.ids[-1]) + 1
     span, dim = hi - lo, table.spec.embedding_dim
-    if span > SPAN_FACTOR * n + SPAN_SLACK or span * dim > MAX_ELEMENTS or lo < -LIMIT or hi > LIMIT:
-        return None  # (ids within +-2**62: ``id - lo`` never wraps around int64)
+    allowed = min(SPAN_FACTOR * n + SPAN_SLACK, MAX_ELEMENTS // dim)  # rows the range may hold, margin included
+    if span > allowed or lo < -LIMIT or hi > LIMIT:
+        return None  # (ids within +-2**62: ``id - lo`` of an int64 id never wraps into the range)
     if previous is not None and changed is not None and previous.lo <= lo and \
-            hi <= previous.lo + previous.rows.shape[0] <= previous.lo + SPAN_FACTOR * n + SPAN_SLACK:
+            hi <= previous.lo + previous.rows.shape[0] and previous.rows.shape[0] <= allowed:
         rows = previous.rows.clone()
         end = previous.lo + rows.shape[0]
         changed = changed[(changed >= previous.lo) & (changed < end)]
@@ -86,6 +88,6 @@ def direct_rows(table: TableExport, previous: DirectRows | None = None,
         return DirectRows(previous.lo, rows)
     # room to grow on both sides (an id not held reads as its initial row, wherever it lies), so a table that
     # gains new ids next to its range is updated in place rather than made again at every refresh
-    margin = min(span // 8 + 16, (MAX_ELEMENTS // dim - span) // 2)
+    margin = min(span // 8 + 16, (allowed - span) // 2)
     lo, hi = max(lo - margin, -LIMIT), min(hi + margin, LIMIT)
     return DirectRows(lo, table.lookup(torch.arange(lo, hi, dtype=torch.int64)))

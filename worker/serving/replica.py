@@ -80,7 +80,7 @@ class ReplicaState:
         if table not in self.tables:
             raise KeyError(f"this replica serves tables {sorted(self.tables)}, not {table!r}")
         direct = self.direct.get(table)
-        if direct is not None and (rows := direct.lookup(ids.reshape(-1))) is not None:
+        if direct is not None and (rows := direct.lookup(ids.reshape(-1).to(torch.int64))) is not None:
             return rows.view(*ids.shape, rows.shape[-1])
         return self.tables[table].lookup(ids)
 
@@ -177,7 +177,9 @@ class Replica:
                 else:
                     self.deltas += 1
                     base = old.tables[name]
-                    previous = (old.direct.get(name), torch.cat([delta.ids, delta.evicted]))
+                    # the previous rows are reused only for the same spec (its initial rows and shape)
+                    previous = (old.direct.get(name), torch.cat([delta.ids, delta.evicted])) \
+                        if base.spec == delta.spec else ()
                 tables[name] = delta.apply(base)
                 if (rows := direct_rows(tables[name], *previous)) is not None:
                     direct[name] = rows
