@@ -72,7 +72,9 @@ class ReplicaState:
     direct: dict[str, DirectRows] = field(default_factory=dict)
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """float32 ``[*ids.shape, dim]`` rows of int64 ``ids`` of ``table`` in this state.
+        """float32 ``[*ids.shape, dim]`` rows of ``ids`` (int64; other integer dtypes are widened to int64, as
+        training widens them) of ``table`` in this state: from its direct rows when every id is in their range,
+        else from the table, the same values either way.
 
         Raises:
             KeyError: the replica does not serve ``table``.
