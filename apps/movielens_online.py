@@ -288,7 +288,8 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
             source = RedisStreamReader(url, stream)
             if config.serve:
                 served = stack.enter_context(Served(servers, source.partition, period=config.serve_period,
-                                                    qps=config.serve_qps, nice=config.serve_nice))
+                                                    qps=config.serve_qps, nice=config.serve_nice,
+                                                    freshness_redis=url))
             producer.start()
             errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
             reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)
@@ -338,6 +339,11 @@ def _say_served(r: dict, say) -> None:
         f"{r['events']} events never seen); delta bytes {r['delta_overhead']:.3f}x the rows' own; the replica "
         f"{'equals' if r['equals_export']['tables'] and r['equals_export']['score'] else 'DIFFERS FROM'} the export; "
         + ", ".join(f"{k} p99 {v['p99_ms']:.2f} ms ({v['failed']} failed)" for k, v in q.items()))
+    if "prometheus" in r:
+        p = r["prometheus"]
+        say(f"serving: the replica's Prometheus histogram shardps_serving_event_freshness_seconds counts "
+            f"{p['events']} events (after its first state: {p['expected_events']}), "
+            f"{'bucket for bucket as measured from outside' if p['equal'] else 'NOT as measured from outside'}")
 
 
 def _plot(report: dict, path: str) -> None:

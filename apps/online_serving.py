@@ -25,41 +25,46 @@ import torch
 from shardps.common.rows import ids_bytes
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
+from shardps.worker.serving.event_freshness import BUCKETS  # event-to-visible upper bounds, the last +inf
 
-__all__ = ["BUCKETS", "QueryLoad", "Served", "equals_export", "freshness_report", "start_serve"]
+__all__ = ["BUCKETS", "QueryLoad", "Served", "equals_export", "freshness_report", "replica_histogram",
+           "start_serve"]
 
-#: Histogram buckets of event-to-visible seconds (upper bounds; the last is +inf).
-BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, float("inf"))
 MF_TABLES = ("user", "item", "user_bias", "item_bias")
 REQUESTS = 512  # distinct requests of each kind a QueryLoad cycles through
 
 
 def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_every: float = 5.0,
-                timeout: float = 120.0, nice: int = 0, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
-    """Start ``shardps serve`` against ``servers`` and wait for its first state (``nice``: its ``--nice``).
+                timeout: float = 120.0, nice: int = 0, freshness_redis: str = "",
+                extra: tuple = ()) -> tuple[subprocess.Popen, str, str]:
+    """Start ``shardps serve`` against ``servers`` and wait for its first state (``nice``: its ``--nice``;
+    ``freshness_redis``: its ``--freshness-redis``, with its metrics on a free port).
 
     Returns:
-        ``(process, "host:port")``; the caller terminates the process (SIGTERM: it exits 0 within 5 s).
+        ``(process, "host:port", metrics "host:port" or "")``; the caller terminates the process (SIGTERM: it
+        exits 0 within 5 s).
 
     Raises:
         TimeoutError: it did not read its first state within ``timeout`` seconds (the process is killed).
     """
     from shardps.apps.processes import wait_for
 
+    flags = ("--freshness-redis", freshness_redis, "--metrics-port", "0") if freshness_redis else ()
     process = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers", servers, "--tables",
                                 ",".join(tables), "--period", str(period), "--dense-every", str(dense_every),
-                                *(("--nice", str(nice)) if nice else ()), *extra],
+                                *(("--nice", str(nice)) if nice else ()), *flags, *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = iter(process.stdout.readline, "")
         address = wait_for(lines, "serving on ", timeout)
+        metrics = wait_for(lines, "metrics on ", timeout) if freshness_redis else ""
         wait_for(lines, "serving tables ", timeout)
     except BaseException:
         process.kill()
         process.wait(30)
         raise
     threading.Thread(target=lambda: [None for _ in lines], name="shardps-serve-output", daemon=True).start()
-    return process, address
+    return process, address, metrics
 
 
 def _query_loop(address: str, qps: float, users: int, items: int, seed: int, stop, conn) -> None:
@@ -198,6 +203,38 @@ def freshness_report(probe, event_seconds: dict[int, float]) -> dict:
             "delta_overhead": probe.wire_bytes / probe.payload_bytes if probe.payload_bytes else float("nan")}
 
 
+def replica_histogram(metrics: str, partition: str) -> dict:
+    """A replica's ``shardps_serving_event_freshness_seconds{partition}`` as its metrics port (``host:port``)
+    serves it: ``{"events", "histogram": [[upper bound, count in that bucket alone], ...], "truncated",
+    "failures"}``.
+
+    Raises:
+        OSError: the port did not answer.
+    """
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    cumulative, truncated, failures, events = {}, 0.0, 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            mine = sample.labels.get("partition") == partition
+            if sample.name == "shardps_serving_event_freshness_seconds_bucket" and mine:
+                cumulative[float(sample.labels["le"])] = sample.value
+            elif sample.name == "shardps_serving_event_freshness_seconds_count" and mine:
+                events = sample.value
+            elif sample.name == "shardps_serving_event_freshness_truncated_total" and mine:
+                truncated = sample.value
+            elif sample.name == "shardps_serving_event_freshness_failures_total":
+                failures = sample.value
+    counts, below = [], 0.0
+    for bound in BUCKETS:
+        counts.append([bound, int(cumulative.get(bound, below) - below)])
+        below = cumulative.get(bound, below)
+    return {"events": int(events), "histogram": counts, "truncated": int(truncated), "failures": int(failures)}
+
+
 def equals_export(address: str, servers: str, tables=MF_TABLES) -> dict:
     """Whether the replica at ``address`` serves exactly what the shards at ``servers`` hold now: every row of
     every table the shards hold (``Lookup``, compared with ``torch.equal``), and ``Score`` against the same
@@ -240,19 +277,23 @@ class Served:
     Args:
         servers: the training shards (``"host:port,..."``). partition: the stream partition trained.
         period: the replica's refresh period (seconds). qps: queries per second (0: none).
-        nice: the replica's ``shardps serve --nice`` (0: unchanged).
+        nice: the replica's ``shardps serve --nice`` (0: unchanged). freshness_redis: the broker of the stream
+            (``shardps serve --freshness-redis``: the replica's own per-event histogram, read back by
+            :meth:`finish`); "": none.
     """
 
     def __init__(self, servers: str, partition: str, *, period: float = 0.5, qps: float = 200.0,
-                 nice: int = 0) -> None:
+                 nice: int = 0, freshness_redis: str = "") -> None:
         self.servers, self.partition, self.period, self.qps, self.nice = servers, partition, period, qps, nice
+        self.freshness_redis = freshness_redis
         self.events: dict[int, float] = {}  # stream offset -> event time (seconds): the broker entry's time
         self.process = self.probe = self.load = None
 
     def __enter__(self) -> "Served":
         from shardps.worker.serving.freshness import FreshnessProbe
 
-        self.process, self.address = start_serve(self.servers, period=self.period, nice=self.nice)
+        self.process, self.address, self.metrics = start_serve(self.servers, period=self.period, nice=self.nice,
+                                                               freshness_redis=self.freshness_redis)
         self.probe = FreshnessProbe(self.address, self.partition, poll=1.0).start()  # 256 states: 128 s
         if self.qps > 0:
             self.load = QueryLoad(self.address, self.qps).start()
@@ -266,8 +307,31 @@ class Served:
         caught_up = self.probe.wait_visible(max(self.events), timeout, dense_after=trained)
         queries = self.load.stop() if self.load is not None else {}
         self.probe.poll_once()
-        return {**freshness_report(self.probe, self.events), "caught_up": caught_up, "queries": queries,
-                "equals_export": equals_export(self.address, self.servers)}
+        report = {**freshness_report(self.probe, self.events), "caught_up": caught_up, "queries": queries,
+                  "equals_export": equals_export(self.address, self.servers)}
+        if self.metrics:
+            report["prometheus"] = self.prometheus_report()
+        return report
+
+    def prometheus_report(self, timeout: float = 30.0) -> dict:
+        """The replica's own ``shardps_serving_event_freshness_seconds`` histogram of this partition, read once
+        it counts every event noted after the replica's first state holding the partition (at most ``timeout`` seconds: it measures
+        in a thread of its own), against the probe's figures for the same events: ``{"events", "histogram":
+        [[upper bound, count], ...], "expected_events", "expected_histogram", "equal", "truncated",
+        "failures"}``. ``equal``: the same count in every bucket."""
+        held = [o for _, (_, o, _) in sorted(self.probe.states.items()) if o is not None]
+        first = held[0] if held else None  # the first state naming the partition: what it held is not measured
+        later = {o: t for o, t in self.events.items() if first is not None and o > first}
+        expected = freshness_report(self.probe, later)
+        deadline = time.monotonic() + timeout
+        while True:
+            got = replica_histogram(self.metrics, self.partition)
+            if got["events"] >= len(later) - expected["not_visible"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        want = [c for _, c in expected["histogram"]]
+        return {**got, "expected_events": len(later) - expected["not_visible"], "expected_histogram":
+                expected["histogram"], "equal": [c for _, c in got["histogram"]] == want}
 
     def __exit__(self, *exc) -> None:
         if self.load is not None:

@@ -99,7 +99,7 @@ def run(kind: str, args, out_dir: str) -> dict:
         serve = None
         try:
             if kind == "served":
-                serve, address = start_serve(cluster.servers, period=0.5, nice=args.serve_nice)
+                serve, address, _ = start_serve(cluster.servers, period=0.5, nice=args.serve_nice)
             out = os.path.join(out_dir, f"{kind}.json")
             trainer = ctx.Process(target=_train, args=(cluster.servers, str(args.data_dir), args.seconds, out))
             trainer.start()

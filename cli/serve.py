@@ -2,6 +2,7 @@
 
     shardps serve --servers HOST:PORT,... --tables user,item,user_bias,item_bias [--port 0] [--period 0.5]
                   [--dense-every 5] [--metrics-port -1] [--threads 1] [--nice 0] [--model MODULE:CALLABLE]
+                  [--freshness-redis URL]
                   [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--auth-token-file FILE] [--health-port -1]
                   [--shards-tls-ca FILE [--shards-tls-cert FILE --shards-tls-key FILE]]
                   [--shards-auth-token-file FILE]
@@ -64,6 +65,10 @@ def add_command(sub, servers_type) -> None:
                    help="a zero-argument callable returning the job's model (with its sharded tables), e.g. "
                         "shardps.apps.movielens:serving_model: Predict runs it, made local from each state "
                         "(default: Predict is refused)")
+    s.add_argument("--freshness-redis", default="", metavar="URL",
+                   help="the Redis broker (redis://host:port/db) whose streams the job trains: each event a new "
+                        "state makes visible is read from its stream and observed in the Prometheus histogram "
+                        "shardps_serving_event_freshness_seconds (event time to visible here; default: off)")
     o = s.add_argument_group("security of the Serving port (as the shards' flags)")
     o.add_argument("--tls-cert", default="", metavar="FILE",
                    help="PEM certificate of this replica: serve TLS (with --tls-key)")
@@ -280,11 +285,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a token refused over plaintext to the shards: name serve's flags for them
         raise ValueError(f"{exc} (shardps serve reaches the shards with --shards-tls-ca, --shards-tls-cert, "
                          f"--shards-tls-key, --shards-auth-token-file and {SHARDS}{INSECURE_FLAG[2:]})") from None
-    started = []
+    started, freshness = [], None
     try:
         server, port, metrics, checks = serve(replica, args.host, args.port, credentials=credentials,
                                               interceptors=interceptors, predictor=predictor)
         started.append(server)
+        if args.freshness_redis:
+            freshness = event_freshness(args.freshness_redis, metrics.registry)
+            replica.watchers.append(freshness.note)
         log.info("shardps serve: %s, %s", "plaintext" if credentials is None else
                  "mutual TLS" if args.tls_ca else "TLS", "bearer token required" if interceptors else "no token")
         if args.health_port >= 0:
@@ -295,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
         for s in started:
             s.stop(None)
         replica.close()
+        if freshness is not None:
+            freshness.close()
         raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -323,4 +333,20 @@ def run(args: argparse.Namespace) -> int:
         for s in started:
             s.stop(5).wait(10)
         replica.close()
+        if freshness is not None:
+            freshness.close()
     return 0
+
+
+def event_freshness(url: str, registry):
+    """``--freshness-redis``'s ``EventFreshness`` on ``registry``.
+
+    Raises:
+        ValueError: ``url`` is not a Redis URL, or redis-py is not installed (the message names the flag).
+    """
+    from shardps.worker.serving.event_freshness import EventFreshness
+
+    try:
+        return EventFreshness(url, registry)
+    except (ValueError, ImportError) as exc:
+        raise ValueError(f"--freshness-redis {url!r}: {exc}") from None

@@ -126,10 +126,15 @@ PANELS: tuple[Panel, ...] = (
     Panel("Serving: age of the newest event served", "Freshness by events, for jobs trained exactly once from a "
           "Redis stream: seconds since the newest event that every training shard's rows hold in the state a "
           "replica serves entered the broker (its offset is the entry id, ms << 20 | seq). The state's age plus "
-          "the training latency; the per-event histogram is measured by benchmarks/serving.py.", "s", (
+          "the training latency; per event, see the panel beside.", "s", (
               Query(f"time() - max by (instance, partition) (shardps_serving_stream_offset{{{REPLICAS}}}) "
                     "/ 1048576 / 1000", "{{instance}} {{partition}}"),
           )),
+    Panel("Serving: event freshness", "Per event, for jobs trained from a Redis stream with replicas started "
+          "with --freshness-redis: seconds from an event's broker time to the swap of the first replica state "
+          "that holds it (p50, p99 over the events each replica made visible; shardps_serving_event_freshness_"
+          "seconds).", "s", _quantiles("shardps_serving_event_freshness_seconds", REPLICAS, "partition",
+                                       "{{partition}}")),
 )
 
 _DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

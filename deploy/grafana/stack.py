@@ -323,7 +323,8 @@ class ServingLoad:
 
     The replica follows a job of its own on one more shard: a process (``python stack.py
     train-factorisation``) stepping the MovieLens factorisation on random ratings every ``step_every``
-    seconds. A client thread here sends a ``Lookup`` of 64 user ids and a ``Score`` of a user against 32
+    seconds, written first to a Redis stream of a ``redis-server`` started here, which the replica reads back
+    for its per-event freshness (``--freshness-redis``). A client thread here sends a ``Lookup`` of 64 user ids and a ``Score`` of a user against 32
     items every ``query_every`` seconds; calls before the replica's first state end UNAVAILABLE and are
     counted so (``calls``). ``on_metrics("host:port")`` is called (from a reader thread) when the replica
     serves metrics; ``ready`` is set once it has read its first state.
@@ -339,7 +340,7 @@ class ServingLoad:
         self.logdir, self.cluster_factory, self.period = Path(logdir), cluster_factory, period
         self.step_every, self.query_every, self.start_timeout = step_every, query_every, start_timeout
         self.on_metrics = on_metrics
-        self.cluster = self.trainer = self.replica = None
+        self.cluster = self.trainer = self.replica = self.broker = None
         self.address = self.metrics_address = None
         self.lines: list[str] = []
         self.calls = {"answered": 0, "refused": 0}
@@ -352,17 +353,20 @@ class ServingLoad:
     def start(self) -> "ServingLoad":
         self.logdir.mkdir(parents=True, exist_ok=True)
         try:
+            from shardps.worker.stream.local_redis import LocalRedis
+
             self.cluster = self.cluster_factory(1, min_workers=1).start()
+            self.broker = LocalRedis(self.logdir / "redis").start()
             with open(self.logdir / "trainer.log", "ab") as log:
                 self.trainer = subprocess.Popen(
                     [sys.executable, str(Path(__file__).resolve()), "train-factorisation", "--servers",
-                     self.cluster.servers, "--step-every", f"{self.step_every:g}"],
+                     self.cluster.servers, "--step-every", f"{self.step_every:g}", "--redis-url", self.broker.url],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             with open(self.logdir / "replica.log", "ab") as log:
                 self.replica = subprocess.Popen(
                     [sys.executable, "-m", "shardps.cli.main", "serve", "--servers", self.cluster.servers,
                      "--tables", ",".join(SERVING_TABLES), "--period", f"{self.period:g}", "--dense-every", "2",
-                     "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
+                     "--metrics-port", "0", "--freshness-redis", self.broker.url], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
             self._spawn(self._read, "replica-stdout")
             self._listening.wait(self.start_timeout)
             if not (self.address and self.metrics_address):
@@ -445,17 +449,23 @@ class ServingLoad:
         finally:
             if self.cluster is not None:
                 self.cluster.stop()
+            if self.broker is not None:
+                self.broker.stop()
 
 
-def train_factorisation(servers: str, step_every: float, dim: int = 8) -> int:
+def train_factorisation(servers: str, step_every: float, dim: int = 8, redis_url: str = "") -> int:
     """The serving load's trainer: the MovieLens factorisation (``shardps.apps.movielens.MF``) on random ratings
     of 100 users and 200 items, a batch of 32 every ``step_every`` seconds, until SIGTERM; returns 0. Each batch
-    is named as a stream's (partition ``ratings``, offsets as Redis entry ids of the step's time,
-    ``set_stream_span``), as a stream trainer's are, so the replica's stream offset and its panel have data."""
+    is named as a stream's (partition ``ratings``, ``set_stream_span``), as a stream trainer's are, so the
+    replica's stream offset and its panel have data: with ``redis_url`` its ratings are first written to the
+    Redis stream ``ratings`` there and the span is their entry ids (so the replica's per-event freshness,
+    ``--freshness-redis``, reads them back); without, offsets are entry ids of the step's time."""
     import torch
 
     from shardps.apps.movielens import MF
     from shardps.worker import DistributedOptimizer
+    from shardps.worker.stream.exactly_once import redis_offset
+    from shardps.worker.stream.redis_source import publish
 
     torch.set_num_threads(1)
     stop = threading.Event()
@@ -472,7 +482,12 @@ def train_factorisation(servers: str, step_every: float, dim: int = 8) -> int:
         while not stop.wait(step_every):
             users, items = torch.randint(0, 100, (32,), generator=g), torch.randint(0, 200, (32,), generator=g)
             ratings = torch.randint(1, 6, (32,), generator=g).float()
-            last = max(int(time.time() * 1000) << 20, (after or 0) + 1)  # a Redis entry id: ms << 20 | seq
+            if redis_url:
+                ids = publish(redis_url, "ratings", [{"user": int(u), "item": int(i), "rating": float(r)}
+                                                     for u, i, r in zip(users, items, ratings)])
+                last = redis_offset(ids[-1])
+            else:
+                last = max(int(time.time() * 1000) << 20, (after or 0) + 1)  # a Redis entry id: ms << 20 | seq
             dist.set_stream_span("ratings", after, last)
             dist.zero_grad()
             (model(users, items)[0] - ratings).pow(2).mean().backward()
@@ -620,8 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = sub.add_parser("train-factorisation", help="the serving load's trainer (ServingLoad starts it)")
     trainer.add_argument("--servers", required=True, help="the shards host:port,... in shard order")
     trainer.add_argument("--step-every", type=float, default=0.2, help="seconds between two steps (default 0.2)")
+    trainer.add_argument("--redis-url", default="", help="write the ratings to the Redis stream 'ratings' there")
     args = parser.parse_args(argv)
-    return train_factorisation(args.servers, args.step_every)
+    return train_factorisation(args.servers, args.step_every, redis_url=args.redis_url)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 No timing is asserted (latency, freshness and slowdown are the benchmark's report). What is tested: both runs
 trained, the replica answered every Lookup and Score query sent (none failed), and the latencies were measured;
 in part 2 (the online job, 3,000 events) every event became visible, the histogram counts each once, the wire
-bytes are at least the rows' own, and the replica equals the export once the stream is trained.
+bytes are at least the rows' own, the replica equals the export once the stream is trained, and its Prometheus
+histogram of per-event freshness agrees with the probe's, bucket for bucket.
 """
 
 from __future__ import annotations
@@ -45,3 +46,5 @@ def test_serving_benchmark_answers_every_query_while_training(tmp_path: Path) ->
     assert sum(count for _, count in fresh["histogram"]) == 3000
     assert fresh["delta_wire_bytes"] >= fresh["delta_payload_bytes"] > 0
     assert fresh["equals_export"] == {"tables": True, "score": True, "rows": fresh["equals_export"]["rows"]}
+    prom = fresh["prometheus"]  # the replica's own histogram (--freshness-redis): the probe's, bucket for bucket
+    assert prom["equal"] and prom["events"] == prom["expected_events"] > 0, prom

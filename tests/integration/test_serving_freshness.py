@@ -10,7 +10,9 @@ replays them to it). Then:
 - every query was answered, during the outage too (from the replica's last state);
 - events that entered the broker 10 s or more after the restart became visible in serving within 2 s (p99,
   the issue's bound), measured per event from the replica's states (``FreshnessProbe``);
-- once the stream is trained, the replica's tables and dense parameters equal the shards' export exactly.
+- once the stream is trained, the replica's tables and dense parameters equal the shards' export exactly;
+- the replica's Prometheus histogram of per-event freshness (``shardps serve --freshness-redis``) counts every
+  event its first state did not hold, each in the bucket the probe's states put it in.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def test_serving_answers_through_a_shard_kill_and_freshness_recovers(tmp_path):
         failed: list = []
         producer = threading.Thread(target=_produce, args=(broker.url, "ratings", failed), daemon=True)
         killed = restarted = None
-        with Served(shards.servers, source.partition, period=0.5, qps=100) as served:
+        with Served(shards.servers, source.partition, period=0.5, qps=100, freshness_redis=broker.url) as served:
             try:
                 producer.start()
                 started = time.time()
@@ -103,4 +105,9 @@ def test_serving_answers_through_a_shard_kill_and_freshness_recovers(tmp_path):
               f"{quantile(fresh, 0.99):.2f} s over {len(fresh)} events; whole stream p99 {report['p99_s']:.2f} s")
         assert quantile(fresh, 0.99) <= 2.0, f"event-to-visible p99 {quantile(fresh, 0.99):.2f} s, 10 s after the restart"
         assert report["caught_up"] and report["not_visible"] == 0
+        # the replica's own per-event histogram (shardps serve --freshness-redis): every event after its first
+        # state, each in the bucket the probe's states put it in
+        prom = report["prometheus"]
+        assert prom["events"] == prom["expected_events"] >= RATE * (SECONDS - 4), prom
+        assert prom["equal"] and prom["truncated"] == prom["failures"] == 0, prom
         assert report["equals_export"]["tables"] and report["equals_export"]["score"], report["equals_export"]

@@ -105,7 +105,9 @@ class Replica:
             evicted ids), so ``wire_bytes / payload_bytes`` is the deltas' overhead;
         history: ``(number, made_at, positions, versions, dense_at)`` of the last 256 states swapped in, oldest first
             (``Serving.States``: what each state made visible and when, for measuring freshness);
-        last_error: the message of the last failed refresh ("" after a good one).
+        last_error: the message of the last failed refresh ("" after a good one);
+        watchers: callables each given every state just swapped in, on the refreshing thread (they return at
+            once: ``EventFreshness.note`` queues it); one that raises fails that refresh after the swap.
 
     The replica connects to the shards at its first refresh (a shard down then fails that refresh only).
 
@@ -130,6 +132,7 @@ class Replica:
         self.clients: list[ShardClient] = []  # connected by the first refresh: the shards may not be up yet
         self.deltas = self.snapshots = self.failures = self.delta_bytes = self.wire_bytes = self.payload_bytes = 0
         self.last_error = ""
+        self.watchers: list = []
         self.history: collections.deque[tuple] = collections.deque(maxlen=HISTORY)
         self._state: ReplicaState | None = None
         self._dense_at = float("-inf")
@@ -199,6 +202,8 @@ class Replica:
                                  time.time(), incarnations, positions, dense_at, direct)
             self._state = state  # one reference: a reader sees the old state or this one, whole
             self.history.append((state.number, state.made_at, positions, list(versions), dense_at))
+            for watch in self.watchers:
+                watch(state)
             return state
 
     def _connect(self) -> list[ShardClient]:
