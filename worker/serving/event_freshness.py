@@ -28,20 +28,73 @@ import logging
 import queue
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import torch
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from shardps.worker.serving.freshness import entry_seconds
-from shardps.worker.stream.exactly_once import redis_id, redis_offset
+from shardps.worker.stream.exactly_once import redis_id
 from shardps.worker.stream.redis_source import END_FIELD
 
 __all__ = ["BUCKETS", "EventFreshness"]
 
 log = logging.getLogger(__name__)
 
-END = END_FIELD.encode()  # entry fields come as bytes
-
 #: Upper bounds (seconds) of the freshness histograms, Prometheus' and the serving benchmark's.
 BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+# The ids of up to ARGV[3] entries of stream KEYS[1] in [ARGV[1], ARGV[2]], the end marker's (an entry with the
+# field ARGV[4]) prefixed "!": run by the broker, so the replica parses short strings, not every entry's fields.
+_IDS = """
+local out = {}
+for i, e in ipairs(redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]))) do
+  local id, f = e[1], e[2]
+  for j = 1, #f, 2 do
+    if f[j] == ARGV[4] then id = '!' .. id end
+  end
+  out[i] = id
+end
+return out
+"""
+
+
+class _Histogram:
+    """``shardps_serving_event_freshness_seconds{partition}``: a Prometheus histogram whose observations come a
+    batch at a time (:meth:`add`: one ``torch.bucketize`` for a state's events, not one ``observe`` each)."""
+
+    def __init__(self) -> None:
+        self._bounds = torch.tensor(BUCKETS[:-1], dtype=torch.float64)
+        self._counts: dict[str, list[int]] = {}  # per partition, observations per bucket (not cumulative)
+        self._sums: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, partition: str, seconds: torch.Tensor) -> None:
+        """Observe each of ``seconds`` (float64 ``[n]``) under ``partition``."""
+        # right=False: bucket k holds BUCKETS[k-1] < s <= BUCKETS[k], Prometheus' "le"
+        counts = torch.bincount(torch.bucketize(seconds, self._bounds), minlength=len(BUCKETS)).tolist()
+        total = float(seconds.sum())
+        with self._lock:
+            mine = self._counts.setdefault(partition, [0] * len(BUCKETS))
+            for k, c in enumerate(counts):
+                mine[k] += c
+            self._sums[partition] = self._sums.get(partition, 0.0) + total
+
+    def describe(self):
+        return [HistogramMetricFamily("shardps_serving_event_freshness_seconds", "", labels=["partition"])]
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "shardps_serving_event_freshness_seconds", "Seconds from each stream event's broker time to the swap of "
+            "the first state of this replica that holds it, by partition.", labels=["partition"])
+        with self._lock:
+            items = [(p, list(c), self._sums[p]) for p, c in self._counts.items()]
+        for partition, counts, total in items:
+            cumulative, running = [], 0
+            for bound, c in zip(BUCKETS, counts):
+                running += c
+                cumulative.append((floatToGoString(bound), running))
+            family.add_metric([partition], cumulative, total)
+        yield family
 
 
 class EventFreshness:
@@ -52,7 +105,7 @@ class EventFreshness:
         url: the broker, ``redis://host:port/db`` (or ``rediss://``, ``unix://``), as redis-py takes it.
         registry: where the metrics go (the replica's ``ServingMetrics.registry``).
         max_events: entries read and observed for one state at most (the rest: truncated, counted).
-        page: entries per ``XRANGE`` call.
+        page: entries per read (``XRANGE`` run by the broker, answering their ids alone).
 
     Attributes:
         observed: events observed so far (the histogram's count, all partitions). failed: states not measured
@@ -64,17 +117,16 @@ class EventFreshness:
     """
 
     def __init__(self, url: str, registry: CollectorRegistry, *, max_events: int = 200_000,
-                 page: int = 10_000) -> None:
+                 page: int = 2_000) -> None:
         from shardps.worker.stream.redis_source import _redis
 
         if max_events < 1 or page < 1:
             raise ValueError(f"max_events and page must be >= 1, got {max_events}, {page}")
         self.max_events, self.page = max_events, page
         self._client = _redis().Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)  # ValueError
-        self.histogram = Histogram(
-            "shardps_serving_event_freshness_seconds", "Seconds from each stream event's broker time to the swap of "
-            "the first state of this replica that holds it, by partition.", ("partition",), buckets=BUCKETS,
-            registry=registry)
+        self._ids = self._client.register_script(_IDS)
+        self.histogram = _Histogram()
+        registry.register(self.histogram)
         self.truncated = Counter(
             "shardps_serving_event_freshness_truncated", "States that made more events visible than were measured "
             "(the rest not observed).", ("partition",), registry=registry)
@@ -123,19 +175,19 @@ class EventFreshness:
         return done
 
     def _observe(self, partition: str, after: int, upto: int, made_at: float) -> int:
-        histogram, start, left, done = self.histogram.labels(partition), "(" + redis_id(after), self.max_events, 0
+        start, left, done = "(" + redis_id(after), self.max_events, 0
         while left > 0:
             count = min(self.page, left)
-            entries = self._client.xrange(partition, min=start, max=redis_id(upto), count=count)
-            for entry_id, fields in entries:
-                if END not in fields:  # the end marker is not an event
-                    histogram.observe(made_at - entry_seconds(redis_offset(entry_id.decode())))
-                    done += 1
-            left -= len(entries)
-            if len(entries) < count:
+            ids = self._ids(keys=[partition], args=[start, redis_id(upto), count, END_FIELD])
+            ms = [int(i.split(b"-", 1)[0]) for i in ids if not i.startswith(b"!")]  # not the end marker
+            if ms:  # an entry's time: the milliseconds of its id (freshness.entry_seconds)
+                self.histogram.add(partition, made_at - torch.tensor(ms, dtype=torch.float64) / 1000.0)
+            done += len(ms)
+            left -= len(ids)
+            if len(ids) < count:
                 return done
-            start = "(" + entries[-1][0].decode()
-        if self._client.xrange(partition, min=start, max=redis_id(upto), count=1):
+            start = "(" + ids[-1].lstrip(b"!").decode()
+        if self._ids(keys=[partition], args=[start, redis_id(upto), 1, END_FIELD]):
             self.truncated.labels(partition).inc()
         return done
 
