@@ -4,7 +4,7 @@
 
 The ratings of ``u.data`` in event-time order (the replay sorts them): the first ``--warm`` (50,000) train
 the job's model (``shardps.apps.movielens.MF``, its tables on the shards) offline for ``--warm-epochs``
-epochs; the rest are published by a producer thread to a Redis stream at ``--rate`` events per second
+epochs; the rest are published by a producer process to a Redis stream at ``--rate`` events per second
 and trained as they arrive. Each mini-batch (``--batch-size`` events, or fewer after ``--max-wait``
 seconds) is first **scored by the current model** (progressive validation: the prediction is made
 before the model trains on the event; eval mode, which reads rows without creating any) and then trained
@@ -35,7 +35,6 @@ import contextlib
 import math
 import statistics
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -127,19 +126,77 @@ def squared_errors(model: MF, users, items, ratings) -> torch.Tensor:
     return (predicted.clamp(1.0, 5.0) - ratings).pow(2)
 
 
-def _producer(url: str, stream: str, events, rate: float, failed: list) -> None:
-    """Publish ``events`` at ``rate`` per second (blocks of 10 ms), then the end marker."""
+def _producer(url: str, stream: str, records: list[dict], rate: float, conn) -> None:
+    """The producer process (spawned): publish ``records`` (field names to values) to ``stream`` at ``rate``
+    per second (blocks of 10 ms, over one connection), then the end marker. Says ``"ready"`` on ``conn`` once
+    connected, starts on the first message it receives, and ends by sending ``None`` or the failure's text."""
+    from shardps.worker.stream.redis_source import _redis
+
     try:
+        client = _redis().Redis.from_url(url, decode_responses=True, socket_timeout=30)
+        client.ping()
+        conn.send("ready")
+        conn.recv()  # go
         block = max(1, int(rate / 100))
         start = time.monotonic()
-        for k in range(0, len(events), block):
+        for k in range(0, len(records), block):
             due = start + k / rate
             if due > time.monotonic():
                 time.sleep(due - time.monotonic())
-            publish(url, stream, [{**e.fields, "time": e.time} for e in events[k:k + block]])
-        publish(url, stream, [], end=True)
-    except Exception as exc:  # noqa: BLE001 - re-raised by the trainer
-        failed.append(exc)
+            publish(url, stream, records[k:k + block], client=client)
+        publish(url, stream, [], end=True, client=client)
+        client.close()
+        conn.send(None)
+    except Exception as exc:  # noqa: BLE001 - raised by the trainer
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+class Producer:
+    """The stream's producer in a process of its own (as a real event source is: it takes no interpreter
+    time from the trainer): a context manager; :meth:`start` once the trainer reads, :meth:`join` at the end.
+
+    Raises (from ``__enter__``, :meth:`join`):
+        RuntimeError: the producer could not connect to the broker or failed while publishing (its message).
+    """
+
+    def __init__(self, url: str, stream: str, events, rate: float) -> None:
+        import multiprocessing
+
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        records = [{**e.fields, "time": e.time} for e in events]
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_producer, args=(url, stream, records, rate, child), name="shardps-producer", daemon=True)
+
+    def __enter__(self) -> "Producer":
+        self.process.start()
+        if not self._conn.poll(120):
+            raise RuntimeError("the producer did not connect to the broker within 120 s")
+        said = self._conn.recv()
+        if said != "ready":
+            raise RuntimeError(f"the producer failed: {said}")
+        return self
+
+    def start(self) -> None:
+        """Start publishing."""
+        self._conn.send("go")
+
+    def join(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the producer to publish everything.
+
+        Raises:
+            RuntimeError: it failed, or had not finished within ``timeout``.
+        """
+        if not self._conn.poll(timeout):
+            raise RuntimeError(f"the producer had not published every event {timeout:.0f} s after the trainer read "
+                               "the end of the stream")
+        said = self._conn.recv()
+        if said is not None:
+            raise RuntimeError(f"the producer failed: {said}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(30)
 
 
 def run_online(config: OnlineConfig, say=print) -> dict:
@@ -283,8 +340,8 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
             frozen = float(squared_errors(model, su, si, sr).mean().sqrt())
             say(f"warm start: {len(warm)} ratings x {config.warm_epochs} epochs; the frozen model's RMSE on the "
                 f"{len(streamed)} streamed ratings: {frozen:.4f}")
-            stream, failed = f"shardps-movielens-{uuid.uuid4().hex[:12]}", []  # a broker given may hold older runs'
-            producer = threading.Thread(target=_producer, args=(url, stream, streamed, config.rate, failed), daemon=True)
+            stream = f"shardps-movielens-{uuid.uuid4().hex[:12]}"  # a broker given may hold older runs'
+            producer = stack.enter_context(Producer(url, stream, streamed, config.rate))
             source = RedisStreamReader(url, stream)
             if config.serve:
                 served = stack.enter_context(Served(servers, source.partition, period=config.serve_period,
@@ -310,8 +367,6 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
                 curve.append((batch[-1].time, math.sqrt(float(torch.cat(errors).mean())), rows))
             seconds = time.monotonic() - started
             producer.join(30)
-            if failed:
-                raise RuntimeError(f"the producer failed: {failed[0]}") from failed[0]
             source.close()
         finally:
             dist.close()
