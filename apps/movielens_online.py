@@ -99,6 +99,7 @@ class OnlineConfig:
     serve_period: float = 0.5
     serve_qps: float = 200.0
     serve_nice: int = 0
+    serve_client_nice: int = 0
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
@@ -107,8 +108,10 @@ class OnlineConfig:
         if not (self.rate > 0 and self.max_wait > 0 and self.limit >= 0 and self.ttl_days >= 0 and
                 (self.item_ttl_days >= 0 or self.item_ttl_days == -1)):
             raise ValueError("--rate and --max-wait must be > 0, --limit, --ttl-days and --item-ttl-days >= 0")
-        if not (self.serve_period >= 0.05 and self.serve_qps >= 0 and -20 <= self.serve_nice <= 19):
-            raise ValueError("--serve-period must be >= 0.05 seconds, --serve-qps >= 0 and --serve-nice in [-20, 19]")
+        if not (self.serve_period >= 0.05 and self.serve_qps >= 0 and -20 <= self.serve_nice <= 19 and
+                -20 <= self.serve_client_nice <= 19):
+            raise ValueError("--serve-period must be >= 0.05 seconds, --serve-qps >= 0 and --serve-nice and "
+                             "--serve-client-nice in [-20, 19]")
 
 
 def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -346,6 +349,7 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
             if config.serve:
                 served = stack.enter_context(Served(servers, source.partition, period=config.serve_period,
                                                     qps=config.serve_qps, nice=config.serve_nice,
+                                                    client_nice=config.serve_client_nice,
                                                     freshness_redis=url))
             producer.start()
             errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()

@@ -13,6 +13,7 @@ Used by ``shardps train movielens --online --serve`` and by ``benchmarks/serving
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -67,8 +68,10 @@ def start_serve(servers: str, tables=MF_TABLES, *, period: float = 0.5, dense_ev
     return process, address, metrics
 
 
-def _query_loop(address: str, qps: float, users: int, items: int, seed: int, stop, conn) -> None:
+def _query_loop(address: str, qps: float, users: int, items: int, seed: int, stop, conn, nice: int = 0) -> None:
     """The client process of :class:`QueryLoad`: queries until ``stop`` is set, then sends its results."""
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)  # PermissionError: the process ends unready (start() says so)
     g = torch.Generator().manual_seed(seed)
     # The requests are built before the clock starts and sent in turn, as a load generator does: the client's
     # own CPU, which shares the machine with what it measures, stays small.
@@ -112,7 +115,9 @@ class QueryLoad:
     """Queries a replica at ``qps`` from a client process of its own (so that the caller's threads, a trainer's
     among them, do not delay the client and inflate what it measures) until :meth:`stop`: a ``Lookup`` of 2,000
     ids of ``user`` (in [1, users]) and a ``Score`` of a user against 100 items (in [1, items]) alternately, each
-    timed from send to answer with a 5 s deadline.
+    timed from send to answer with a 5 s deadline. ``nice``: the client's scheduling priority (as ``nice(1)``;
+    0: unchanged). On a host whose cores training saturates, the client's own wait for a core is part of what
+    it measures; at the replica's priority it is not, as for callers on other hosts.
 
     Attributes (filled by :meth:`stop`):
         latencies: ``{"lookup": [ms], "score": [ms]}`` of the answered queries; failed: failures by kind;
@@ -122,7 +127,8 @@ class QueryLoad:
         RuntimeError: from :meth:`stop`, when the client process died without reporting.
     """
 
-    def __init__(self, address: str, qps: float, *, users: int = 943, items: int = 1682, seed: int = 1) -> None:
+    def __init__(self, address: str, qps: float, *, users: int = 943, items: int = 1682, seed: int = 1,
+                 nice: int = 0) -> None:
         import multiprocessing as mp
 
         self.address, self.qps, self.users, self.items = address, qps, users, items
@@ -134,7 +140,7 @@ class QueryLoad:
         self._stop = ctx.Event()
         self._results, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=_query_loop, name="shardps-queries", daemon=True,
-                                    args=(address, qps, users, items, seed, self._stop, child))
+                                    args=(address, qps, users, items, seed, self._stop, child, nice))
         self._child, self._report = child, None
 
     def start(self, timeout: float = 120.0) -> "QueryLoad":
@@ -277,14 +283,16 @@ class Served:
     Args:
         servers: the training shards (``"host:port,..."``). partition: the stream partition trained.
         period: the replica's refresh period (seconds). qps: queries per second (0: none).
-        nice: the replica's ``shardps serve --nice`` (0: unchanged). freshness_redis: the broker of the stream
+        nice: the replica's ``shardps serve --nice`` (0: unchanged). client_nice: the query client's
+            (:class:`QueryLoad`). freshness_redis: the broker of the stream
             (``shardps serve --freshness-redis``: the replica's own per-event histogram, read back by
             :meth:`finish`); "": none.
     """
 
     def __init__(self, servers: str, partition: str, *, period: float = 0.5, qps: float = 200.0,
-                 nice: int = 0, freshness_redis: str = "") -> None:
+                 nice: int = 0, client_nice: int = 0, freshness_redis: str = "") -> None:
         self.servers, self.partition, self.period, self.qps, self.nice = servers, partition, period, qps, nice
+        self.client_nice = client_nice
         self.freshness_redis = freshness_redis
         self.events: dict[int, float] = {}  # stream offset -> event time (seconds): the broker entry's time
         self.process = self.probe = self.load = None
@@ -296,7 +304,7 @@ class Served:
                                                                freshness_redis=self.freshness_redis)
         self.probe = FreshnessProbe(self.address, self.partition, poll=1.0).start()  # 256 states: 128 s
         if self.qps > 0:
-            self.load = QueryLoad(self.address, self.qps).start()
+            self.load = QueryLoad(self.address, self.qps, nice=self.client_nice).start()
         return self
 
     def finish(self, timeout: float = 60.0) -> dict:

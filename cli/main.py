@@ -214,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--serve-nice", type=int, default=0,
                    help="--online --serve: the replica's `shardps serve --nice` (default 0; -10 puts its queries "
                         "before training's work on shared cores; a negative value needs CAP_SYS_NICE)")
+    m.add_argument("--serve-client-nice", type=int, default=0,
+                   help="--online --serve: the query client's nice value (default 0; the replica's value keeps the "
+                        "client's own wait for a core out of the latency it measures on shared cores)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     serve_cli.add_command(sub, _servers)
@@ -307,7 +310,7 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
                           seed=args.seed, plot=args.plot, ttl_days=args.ttl_days,
                           item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days,
                           serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps,
-                          serve_nice=args.serve_nice)
+                          serve_nice=args.serve_nice, serve_client_nice=args.serve_client_nice)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:
