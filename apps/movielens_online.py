@@ -32,9 +32,11 @@ stream was read again for a shard behind).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -52,6 +54,8 @@ from shardps.worker.stream.redis_source import RedisStreamReader, publish
 from shardps.worker.stream.replay import FileReplay
 
 COLUMNS = ["user", "item", "rating", "time"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,10 +137,10 @@ def _producer(url: str, stream: str, records: list[dict], rate: float, conn) -> 
     """The producer process (spawned): publish ``records`` (field names to values) to ``stream`` at ``rate``
     per second (blocks of 10 ms, over one connection), then the end marker. Says ``"ready"`` on ``conn`` once
     connected, starts on the first message it receives, and ends by sending ``None`` or the failure's text."""
-    from shardps.worker.stream.redis_source import _redis
+    from shardps.worker.stream.redis_source import redis_client
 
     try:
-        client = _redis().Redis.from_url(url, decode_responses=True, socket_timeout=30)
+        client = redis_client(url, decode_responses=True, socket_timeout=30)
         client.ping()
         conn.send("ready")
         conn.recv()  # go
@@ -157,31 +161,58 @@ def _producer(url: str, stream: str, records: list[dict], rate: float, conn) -> 
 class Producer:
     """The stream's producer in a process of its own (as a real event source is: it takes no interpreter
     time from the trainer): a context manager; :meth:`start` once the trainer reads, :meth:`join` at the end.
+    A producer that fails or dies mid-stream is noticed at once: the stream is ended here (its end marker
+    written), so the trainer's read ends instead of waiting for events that will not come, and :meth:`join`
+    raises the failure.
 
     Raises (from ``__enter__``, :meth:`join`):
-        RuntimeError: the producer could not connect to the broker or failed while publishing (its message).
+        RuntimeError: the producer could not connect to the broker, or failed or died while publishing (its
+            message, or its exit code).
     """
 
     def __init__(self, url: str, stream: str, events, rate: float) -> None:
         import multiprocessing
 
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        ctx = multiprocessing.get_context("spawn")
+        self.url, self.stream = url, stream
+        self._conn, self._child = ctx.Pipe()
         records = [{**e.fields, "time": e.time} for e in events]
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=_producer, args=(url, stream, records, rate, child), name="shardps-producer", daemon=True)
+        self.process = ctx.Process(target=_producer, args=(url, stream, records, rate, self._child),
+                                   name="shardps-producer", daemon=True)
+        self.failure: str | None = None
+        self._done = threading.Event()
 
     def __enter__(self) -> "Producer":
         self.process.start()
-        if not self._conn.poll(120):
-            raise RuntimeError("the producer did not connect to the broker within 120 s")
-        said = self._conn.recv()
+        self._child.close()  # a producer that dies is then an EOF here
+        try:
+            said = self._conn.recv() if self._conn.poll(120) else "it did not connect to the broker within 120 s"
+        except EOFError:
+            said = f"it exited with code {self.process.join(10) or self.process.exitcode}"
         if said != "ready":
+            self.__exit__()
             raise RuntimeError(f"the producer failed: {said}")
         return self
 
     def start(self) -> None:
-        """Start publishing."""
+        """Start publishing (and watching the producer)."""
         self._conn.send("go")
+        threading.Thread(target=self._watch, name="shardps-producer-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            said = self._conn.recv()
+        except EOFError:
+            self.process.join(10)
+            said = f"it exited with code {self.process.exitcode} before publishing every event"
+        if said is not None:
+            self.failure = said
+            log.error("the producer failed (%s): ending the stream so that the trainer stops", said)
+            try:
+                publish(self.url, self.stream, [], end=True)
+            except Exception as exc:  # noqa: BLE001 - the broker down: the trainer's read fails on it too
+                log.error("could not end the stream after the producer failed: %s", exc)
+        self._done.set()
 
     def join(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for the producer to publish everything.
@@ -189,17 +220,17 @@ class Producer:
         Raises:
             RuntimeError: it failed, or had not finished within ``timeout``.
         """
-        if not self._conn.poll(timeout):
+        if not self._done.wait(timeout):
             raise RuntimeError(f"the producer had not published every event {timeout:.0f} s after the trainer read "
                                "the end of the stream")
-        said = self._conn.recv()
-        if said is not None:
-            raise RuntimeError(f"the producer failed: {said}")
+        if self.failure is not None:
+            raise RuntimeError(f"the producer failed: {self.failure}")
 
     def __exit__(self, *exc) -> None:
         if self.process.is_alive():
             self.process.terminate()
         self.process.join(30)
+        self._conn.close()
 
 
 def run_online(config: OnlineConfig, say=print) -> dict:

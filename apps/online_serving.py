@@ -232,7 +232,7 @@ def replica_histogram(metrics: str, partition: str) -> dict:
                 events = sample.value
             elif sample.name == "shardps_serving_event_freshness_truncated_total" and mine:
                 truncated = sample.value
-            elif sample.name == "shardps_serving_event_freshness_failures_total":
+            elif sample.name == "shardps_serving_event_freshness_failures_total" and mine:
                 failures = sample.value
     counts, below = [], 0.0
     for bound in BUCKETS:

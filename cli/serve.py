@@ -293,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
         if args.freshness_redis:
             freshness = event_freshness(args.freshness_redis, metrics.registry)
             replica.watchers.append(freshness.note)
+            if args.metrics_port < 0:
+                log.warning("--freshness-redis without --metrics-port: the freshness histogram is measured but "
+                            "not served; add --metrics-port")
         log.info("shardps serve: %s, %s", "plaintext" if credentials is None else
                  "mutual TLS" if args.tls_ca else "TLS", "bearer token required" if interceptors else "no token")
         if args.health_port >= 0:

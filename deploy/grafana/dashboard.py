@@ -132,8 +132,8 @@ PANELS: tuple[Panel, ...] = (
           )),
     Panel("Serving: event freshness", "Per event, for jobs trained from a Redis stream with replicas started "
           "with --freshness-redis: seconds from an event's broker time to the swap of the first replica state "
-          "that holds it (p50, p99 over the events each replica made visible; shardps_serving_event_freshness_"
-          "seconds).", "s", _quantiles("shardps_serving_event_freshness_seconds", REPLICAS, "partition",
+          "that holds it (p50, p99 over the events every replica made visible, by partition; "
+          "shardps_serving_event_freshness_seconds).", "s", _quantiles("shardps_serving_event_freshness_seconds", REPLICAS, "partition",
                                        "{{partition}}")),
 )
 

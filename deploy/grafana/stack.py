@@ -465,7 +465,7 @@ def train_factorisation(servers: str, step_every: float, dim: int = 8, redis_url
     from shardps.apps.movielens import MF
     from shardps.worker import DistributedOptimizer
     from shardps.worker.stream.exactly_once import redis_offset
-    from shardps.worker.stream.redis_source import publish
+    from shardps.worker.stream.redis_source import publish, redis_client
 
     torch.set_num_threads(1)
     stop = threading.Event()
@@ -478,13 +478,14 @@ def train_factorisation(servers: str, step_every: float, dim: int = 8, redis_url
                                                                       model.item_bias.handle], lr=0.05))
     g = torch.Generator().manual_seed(0)
     after = None
+    broker = redis_client(redis_url, decode_responses=True) if redis_url else None
     try:
         while not stop.wait(step_every):
             users, items = torch.randint(0, 100, (32,), generator=g), torch.randint(0, 200, (32,), generator=g)
             ratings = torch.randint(1, 6, (32,), generator=g).float()
             if redis_url:
                 ids = publish(redis_url, "ratings", [{"user": int(u), "item": int(i), "rating": float(r)}
-                                                     for u, i, r in zip(users, items, ratings)])
+                                                     for u, i, r in zip(users, items, ratings)], client=broker)
                 last = redis_offset(ids[-1])
             else:
                 last = max(int(time.time() * 1000) << 20, (after or 0) + 1)  # a Redis entry id: ms << 20 | seq
@@ -495,6 +496,8 @@ def train_factorisation(servers: str, step_every: float, dim: int = 8, redis_url
             after = last
     finally:
         dist.close()
+        if broker is not None:
+            broker.close()
     return 0
 
 

@@ -126,8 +126,8 @@ def test_a_pull_over_the_message_limit_is_refused_before_its_rows_are_built():
             grew = status(pid, "VmHWM") - before
             want = initial_rows("table", torch.arange(31), dim, 0, dim ** -0.5)
             assert torch.equal(rows_from(reply.rows, 31, dim), want)
-            # 2 x the reply and 40 MiB of slack: the process's peak once grew 47.84 MiB here under a full suite's
-            # load (0.34 MiB over 2 x 7.75 + 32); one int64 temporary of the whole reply (16 MiB) still fails it
+            # 2 x the reply and 40 MiB of slack for the allocator: the process's peak once grew 47.84 MiB here
+            # under a full suite's load, 0.34 MiB over 2 x 7.75 + 32
             assert grew <= 2 * len(reply.rows) + SCRATCH + 8 * MiB, grew / MiB
             assert client.stats().members == ["w0"]
         finally:

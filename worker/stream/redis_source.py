@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from shardps.worker.stream.events import Event
 from shardps.worker.stream.exactly_once import redis_id, redis_offset
 
-__all__ = ["END_FIELD", "BrokerUnavailable", "RedisStreamReader", "RedisStreamSource", "publish"]
+__all__ = ["END_FIELD", "BrokerUnavailable", "RedisStreamReader", "RedisStreamSource", "publish", "redis_client"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ def _redis():
     except ImportError as exc:
         raise ImportError('Redis streams need redis-py: pip install -e ".[stream]"') from exc
     return redis
+
+
+def redis_client(url: str, **kwargs):
+    """A redis-py client of ``url`` (``redis.Redis.from_url(url, **kwargs)``; it connects when first used).
+
+    Raises:
+        ImportError: redis-py is not installed (the message says how to install it).
+        ValueError: ``url`` is not a Redis URL (``redis://``, ``rediss://``, ``unix://``).
+    """
+    return _redis().Redis.from_url(url, **kwargs)
 
 
 class RedisStreamSource:
