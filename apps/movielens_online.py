@@ -188,7 +188,8 @@ class Producer:
         try:
             said = self._conn.recv() if self._conn.poll(120) else "it did not connect to the broker within 120 s"
         except EOFError:
-            said = f"it exited with code {self.process.join(10) or self.process.exitcode}"
+            self.process.join(10)
+            said = f"it exited with code {self.process.exitcode}"
         if said != "ready":
             self.__exit__()
             raise RuntimeError(f"the producer failed: {said}")

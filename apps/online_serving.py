@@ -323,10 +323,10 @@ class Served:
 
     def prometheus_report(self, timeout: float = 30.0) -> dict:
         """The replica's own ``shardps_serving_event_freshness_seconds`` histogram of this partition, read once
-        it counts every event noted after the replica's first state holding the partition (at most ``timeout`` seconds: it measures
-        in a thread of its own), against the probe's figures for the same events: ``{"events", "histogram":
-        [[upper bound, count], ...], "expected_events", "expected_histogram", "equal", "truncated",
-        "failures"}``. ``equal``: the same count in every bucket."""
+        it counts every event noted after the replica's first state holding the partition (at most ``timeout``
+        seconds: it measures in a thread of its own), against the probe's figures for the same events:
+        ``{"events", "histogram": [[upper bound, count], ...], "expected_events", "expected_histogram", "equal",
+        "truncated", "failures"}``. ``equal``: the same count in every bucket."""
         held = [o for _, (_, o, _) in sorted(self.probe.states.items()) if o is not None]
         first = held[0] if held else None  # the first state naming the partition: what it held is not measured
         later = {o: t for o, t in self.events.items() if first is not None and o > first}

@@ -73,11 +73,12 @@ def test_a_state_past_the_cap_is_truncated_and_counted(broker):
     finally:
         fresh.close()
     ids = [redis_offset(i) for i in publish(broker.url, "s2b", [{"k": n} for n in range(11)], end=True)]
-    fresh = EventFreshness(broker.url, CollectorRegistry(), max_events=10, page=4)
+    registry = CollectorRegistry()
+    fresh = EventFreshness(broker.url, registry, max_events=10, page=4)
     try:
         fresh.measure(time.time(), {"s2b": ids[0]})
         assert fresh.measure(time.time(), {"s2b": ids[-1]}) == 10  # 10 events and the marker: the cap exactly
-        assert fresh.truncated.labels("s2b")._value.get() == 0
+        assert _value(registry, "shardps_serving_event_freshness_truncated_total", partition="s2b") == 0
     finally:
         fresh.close()
 
