@@ -143,7 +143,7 @@ class ShardStore:
 
     async def run(self, fn, *args, priority: int = DENSE):
         """Run ``fn(*args)`` on the compute thread, one piece of work at a time; the loop keeps serving meanwhile.
-        ``priority`` (``server.compute``: ``DENSE``, ``SPARSE``, ``IDLE``) orders the queued work when the
+        ``priority`` (``server.compute``: ``DENSE``, ``SPARSE``, ``AHEAD``, ``IDLE``) orders the queued work when the
         compute executor is a ``PriorityExecutor`` (the default); submission order within a priority."""
         if isinstance(self._compute, PriorityExecutor):
             return await asyncio.wrap_future(self._compute.submit_at(priority, fn, *args))

@@ -42,7 +42,7 @@ import torch
 from shardps.proto import shardps_pb2 as pb
 from shardps.common.rows import TableSpec, state_widths
 from shardps.server.checks import shown
-from shardps.server.compute import IDLE, SPARSE
+from shardps.server.compute import AHEAD, IDLE, SPARSE
 from shardps.server.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShardError,
 )
@@ -350,7 +350,8 @@ class SparseTables:
         """:meth:`pull` once its reply is sized and held: wait as asked, read the rows into the reply."""
         w, number, early = request.worker_id, request.after_push_number, None
         if number and not (self.members[w] >= number and w not in self.staged):
-            early = await self.store.run(self._look_ahead, parts, reply, priority=SPARSE)  # before push `number`
+            # before push `number`, behind the sparse work that callers wait for now (compute.py)
+            early = await self.store.run(self._look_ahead, parts, reply, priority=AHEAD)
         if request.after_push or number:
 
             def ready() -> bool:

@@ -59,7 +59,21 @@ def batch(step: int, n: int = 8, item_range: int = 1000) -> dict:
     tags[1] = 7
     return {"user": torch.randint(0, 30, (n,), generator=g), "genres": genres,
             "item": torch.randint(0, item_range, (n,), generator=g) * 7919 - 3_000_000, "tags": tags,
-            "offsets": torch.arange(0, 2 * n, 2), "y": torch.randn(n, generator=g)}
+            "offsets": torch.arange(0, 2 * n, 2), "y": torch.randn(n, generator=g),
+            "genres2": torch.randint(0, 12, (2 * n,), generator=g)}  # a second field of `genres` (TwoFields)
+
+
+class TwoFields(Rec):
+    """``Rec`` whose padded bag table ``genres`` is called for a second field too (as a DeepFM's genre table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(20, 1)
+
+    def forward(self, b: dict) -> torch.Tensor:
+        x = torch.cat([self.user(b["user"]), self.genres(b["genres"]), self.item(b["item"]),
+                       self.tags(b["tags"], b["offsets"]), self.genres(b["genres2"], b["offsets"])], dim=1)
+        return self.head(x).squeeze(1)
 
 
 def features(b: dict) -> tuple:
@@ -188,18 +202,19 @@ def test_a_closed_job_says_how_to_evaluate_and_loading_rows_into_shards_is_refus
     assert torch.equal(local.user.weight, state["user.weight"])
 
 
-def plain_and_prefetching(shards, edit=lambda b: b) -> list[tuple[dict, dict]]:
+def plain_and_prefetching(shards, edit=lambda b: b, make=Rec) -> list[tuple[dict, dict]]:
     """``(state_dict, prefetch counts)`` after STEPS steps of the plain loop, then of the loop over a prefetching
     loader; the trainer passes each batch through ``edit`` before its forward."""
     results = []
     for prefetch in (False, True):
         reset(shards)
-        model = Rec()
+        model = make()
         dist = start(shards, model)
         try:
             loader = [batch(s) for s in range(STEPS)]
             if prefetch:
-                loader = shardps.prefetching(loader, dist, lambda b: {model.user: b["user"], model.genres: b["genres"],
+                genres = (lambda b: [b["genres"], b["genres2"]]) if make is TwoFields else (lambda b: b["genres"])
+                loader = shardps.prefetching(loader, dist, lambda b: {model.user: b["user"], model.genres: genres(b),
                                                                       "item": b["item"], model.tags: b["tags"]})
             train(model, dist, (edit(b) for b in loader))
             results.append((model.state_dict(), dict(dist.tables.prefetches)))
@@ -210,6 +225,27 @@ def plain_and_prefetching(shards, edit=lambda b: b) -> list[tuple[dict, dict]]:
 
 def test_a_prefetching_loader_trains_bit_for_bit_as_the_plain_loop(shards):
     (plain, _), (fetched, counts) = plain_and_prefetching(shards)
+    assert counts == {"used": STEPS - 1, "dropped": 0, "pulled_again": 0}, counts
+    for k in plain:
+        assert torch.equal(plain[k], fetched[k]), k
+
+
+def test_a_table_called_for_two_fields_reuses_the_loaders_lookups_and_trains_bit_for_bit(shards, monkeypatch):
+    """A padded bag table called for two fields (ids_of gives it both tensors): each lookup reuses what the
+    loader made of its own tensor (no second check or sort of the ids: counted), the padding id included, and
+    training equals the plain loop bit for bit."""
+    checks = []
+    real = ShardedEmbeddingBag.check_lookup
+
+    def counted(self, ids):
+        checks.append(self.name)
+        return real(self, ids)
+
+    monkeypatch.setattr(ShardedEmbeddingBag, "check_lookup", counted)
+    (plain, _), (fetched, counts) = plain_and_prefetching(shards, make=TwoFields)
+    # the plain loop checks both fields' ids at every step; the prefetching loop only the first batch's (no step
+    # before it to prefetch it during)
+    assert checks.count("genres") == 2 * STEPS + 2, checks
     assert counts == {"used": STEPS - 1, "dropped": 0, "pulled_again": 0}, counts
     for k in plain:
         assert torch.equal(plain[k], fetched[k]), k

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from shardps.server.compute import DENSE, IDLE, SPARSE, PriorityExecutor
+from shardps.server.compute import AHEAD, DENSE, IDLE, SPARSE, PriorityExecutor
 
 
 def test_queued_work_runs_by_priority_and_in_order_within_one():
@@ -13,12 +13,13 @@ def test_queued_work_runs_by_priority_and_in_order_within_one():
     try:
         first = ex.submit(gate.wait, 10)  # holds the thread while the rest is queued
         futures = [ex.submit_at(p, ran.append, name) for p, name in [
-            (IDLE, "idle"), (SPARSE, "sparse 1"), (DENSE, "dense 1"), (SPARSE, "sparse 2"), (DENSE, "dense 2")]]
+            (IDLE, "idle"), (AHEAD, "ahead"), (SPARSE, "sparse 1"), (DENSE, "dense 1"), (SPARSE, "sparse 2"),
+            (DENSE, "dense 2")]]
         gate.set()
         assert first.result(10) is True
         for f in futures:
             f.result(10)
-        assert ran == ["dense 1", "dense 2", "sparse 1", "sparse 2", "idle"]
+        assert ran == ["dense 1", "dense 2", "sparse 1", "sparse 2", "ahead", "idle"]
     finally:
         ex.shutdown()
 

@@ -115,9 +115,11 @@ class ShardedTable(nn.Module):
         self.tables = None  # the DistributedOptimizer's SparseTables once attached (``attach``)
         self.closed = False  # it was attached, then detached: its DistributedOptimizer was closed
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, leaf) per lookup of the step
-        #: ``(ids, ids._version, unique, inverse)`` of the last two batches' ids that a prefetching loader already
-        #: checked and made unique (``prefetch.Prefetching``): a lookup of that very tensor reuses them
-        self.known: collections.deque = collections.deque(maxlen=2)
+        #: ``(ids, ids._version, unique, inverse, pad)`` of the ids tensors of the last batches that a prefetching
+        #: loader already checked and made unique, as :meth:`prepare_lookup` returns them (``prefetch.Prefetching``,
+        #: one entry per tensor: a table called for two fields has two a batch): a lookup of that very tensor
+        #: reuses them
+        self.known: collections.deque = collections.deque(maxlen=8)
 
     def extra_repr(self) -> str:
         size = "hashed" if self.num_embeddings is None else str(self.num_embeddings)
@@ -206,23 +208,15 @@ class ShardedTable(nn.Module):
         Raises:
             RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
         """
-        for known, version, unique, inverse in self.known:
-            if known is ids and version == ids._version and self.tables is not None and torch.equal(
-                    unique.index_select(0, inverse), ids.reshape(-1).to("cpu", torch.int64)):  # (edits outside autograd)
-                return unique, inverse.view(ids.shape), None  # checked, made unique and without padding
+        for known, version, unique, inverse, pad in self.known:
+            if known is ids and version == ids._version and self.tables is not None:
+                local = unique if pad is None else torch.cat([unique, unique.new_tensor([self.padding_idx])])
+                if torch.equal(local.index_select(0, inverse), ids.reshape(-1).to("cpu", torch.int64)):
+                    return unique, inverse.view(ids.shape), pad  # checked and made unique (edits outside autograd)
         self.check_lookup(ids)
         if unique_inverse is None:
             unique_inverse = unique_ids(ids if ids.dtype == torch.int64 else ids.long(), self.num_embeddings or 0)
-        unique, inverse = unique_inverse
-        pad = None
-        if self.padding_idx is not None:
-            is_pad = unique == self.padding_idx
-            if bool(is_pad.any()):
-                keep = ~is_pad
-                local = torch.cumsum(keep.to(torch.int64), 0) - 1
-                pad = int(keep.sum())
-                local[is_pad] = pad
-                unique, inverse = unique[keep], local[inverse]
+        unique, inverse, pad = drop_padding(*unique_inverse, self.padding_idx)
         return unique, inverse.view(ids.shape), pad
 
     def finish_lookup(self, unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
@@ -254,6 +248,23 @@ def unique_ids(ids: torch.Tensor, num_embeddings: int = 0) -> tuple[torch.Tensor
         seen[flat] = True
         return seen.nonzero().reshape(-1), (torch.cumsum(seen, 0, dtype=torch.int64) - 1).index_select(0, flat)
     return torch.unique(flat, return_inverse=True)
+
+
+def drop_padding(unique: torch.Tensor, inverse: torch.Tensor, padding_idx: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """A lookup's sorted unique ids ``[m]`` and the local index of each id (int64, into them) with the padding id
+    left out: ``(unique ids to pull [m'], local index [n], local padding index or None)``; a padding id's local
+    index is ``m'`` (the zero row after the pulled ones). Unchanged when ``padding_idx`` is None or absent."""
+    if padding_idx is None:
+        return unique, inverse, None
+    is_pad = unique == padding_idx
+    if not bool(is_pad.any()):
+        return unique, inverse, None
+    keep = ~is_pad
+    local = torch.cumsum(keep.to(torch.int64), 0) - 1
+    pad = int(keep.sum())
+    local[is_pad] = pad
+    return unique[keep], local[inverse], pad
 
 
 def table_keys(prefix: str, num_embeddings: int | None) -> list[str]:

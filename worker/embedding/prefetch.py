@@ -20,8 +20,9 @@ ones reads its rows from that answer, the values a pull would return then
 (the sync oracle holds); a lookup with other ids (an evaluation batch, an
 ``ids_of`` that misses a field) pulls as before, so a wrong ``ids_of``
 costs speed, never correctness. A lookup of the very tensor ``ids_of``
-named for a table (not edited since) reuses the unique ids and the range
-check made here.
+named for a table (not edited since) reuses the unique ids, the padding
+and the range check made here, also where a table is called for several
+fields (each tensor of the list ``ids_of`` gave) or has a ``padding_idx``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from shardps.worker.embedding.modules import ShardedTable, unique_ids
+from shardps.worker.embedding.modules import ShardedTable, drop_padding, unique_ids
 
 __all__ = ["prefetching", "Prefetching"]
 
@@ -92,13 +93,29 @@ class Prefetching:
             n = module.num_embeddings or 0  # a bitmap where the ids are in range (the forward checks them)
             in_range = n and ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < n
             unique, inverse = unique_ids(ids, n if in_range else 0)
-            if module.padding_idx is not None:
-                unique = unique[unique != module.padding_idx]
-            elif len(sources[name]) == 1 and sources[name][0].dtype in (torch.int64, torch.int32) and (in_range or not n):
-                # the lookup of this very tensor (checked here as the forward would) reuses unique and inverse
-                module.known.append((sources[name][0], sources[name][0]._version, unique, inverse))
+            checked = in_range or not n  # every id passes the forward's check_ids (its dtype aside)
+            if len(parts) == 1:
+                unique, inverse, pad = drop_padding(unique, inverse, module.padding_idx)
+                self._know(module, sources[name][0], unique, inverse, pad, checked)
+            else:  # each tensor's own lookup, from its slice of the union's inverse
+                start = 0
+                for source, part in zip(sources[name], parts):
+                    where, local = unique_ids(inverse[start:start + part.numel()], unique.numel())
+                    self._know(module, source, *drop_padding(unique.index_select(0, where), local,
+                                                             module.padding_idx), checked)
+                    start += part.numel()
+                unique = drop_padding(unique, inverse, module.padding_idx)[0]
             out[name] = unique
         return out
+
+    @staticmethod
+    def _know(module: ShardedTable, source: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
+              pad: int | None, checked: bool) -> None:
+        """The forward's lookup of this very tensor (checked here as the forward would) reuses ``unique``,
+        ``inverse`` and ``pad`` (``ShardedTable.prepare_lookup``); the prefetched rows are read whole where
+        ``unique`` is the tensor prefetched, else found in them."""
+        if checked and source.dtype in (torch.int64, torch.int32):
+            module.known.append((source, source._version, unique, inverse, pad))
 
     def __iter__(self) -> Iterator:
         it = iter(self.loader)

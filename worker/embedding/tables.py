@@ -114,6 +114,26 @@ class Prefetch:
         tables.prefetches["dropped"] += 1
 
 
+class _OneMessage:
+    """A push of one message to one shard, started now without waiting (``ShardClient.push_rows_future``);
+    :meth:`exception` waits for it, and where gRPC failed it makes the retried push (``ShardClient.push_rows``:
+    the same push number, taken once by the shard) before it answers, as a push from a call thread would."""
+
+    def __init__(self, client: ShardClient, request: pb.PushRowsRequest) -> None:
+        self.client, self.request = client, request
+        self.future = client.push_rows_future(request)
+
+    def exception(self) -> BaseException | None:
+        """None once the shard took the push; else the retried push's error (``ShardRpcError``)."""
+        if self.future.exception() is None:
+            return None
+        try:
+            self.client.push_rows(self.request)
+        except Exception as exc:  # noqa: BLE001 - handed to wait_sent, as a call thread's future would
+            return exc
+        return None
+
+
 class SparseTables:
     """One worker's sparse tables over ``clients`` (see the module docstring).
 
@@ -371,7 +391,10 @@ class SparseTables:
             for part in requests[s]:
                 self._clients[s].push_rows(part)  # (a shard that forgot this worker: wait_sent joins it again)
 
-        self._sending = (requests, [self._pool.submit(one, s) for s in range(len(requests))])
+        # a push of one message starts here, on the calling thread: no hand-off to a call thread that must first
+        # win the interpreter from this one (it reached the shard about 0.5 ms sooner at 1 worker x 1 shard)
+        self._sending = (requests, [_OneMessage(self._clients[s], requests[s][0]) if len(requests[s]) == 1
+                                    else self._pool.submit(one, s) for s in range(len(requests))])
 
     def wait_sent(self) -> None:
         """Wait until every shard took this worker's last push (:meth:`send`); a no-op when none is in flight.
