@@ -28,6 +28,7 @@ from shardps.proto import shardps_pb2 as pb
 from shardps.common.codec import finite
 from shardps.common.rows import check_lr, ids_bytes, rows_bytes, rows_from, shard_of
 from shardps.worker.embedding.export import TableExport, export_table
+from shardps.worker.embedding.modules import unique_ids
 from shardps.worker.embedding.specs import group_spec, table_specs
 from shardps.worker.session.client import ShardClient, ShardRpcError
 
@@ -351,7 +352,7 @@ class SparseTables:
             else:
                 ids = torch.cat([i for i, _ in lookups])
                 grads = torch.cat([g.detach().to("cpu", torch.float32) for _, g in lookups])
-                unique, inverse = torch.unique(ids, return_inverse=True)
+                unique, inverse = unique_ids(ids, module.num_embeddings or 0)  # a bitmap where that is faster
                 summed = torch.zeros(unique.numel(), spec.embedding_dim).index_add_(0, inverse, grads)
             steps.append((name, unique, summed, lr))
         # one finiteness check for every table (the sum of finite values can overflow: then each is checked)
