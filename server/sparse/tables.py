@@ -350,8 +350,7 @@ class SparseTables:
         """:meth:`pull` once its reply is sized and held: wait as asked, read the rows into the reply."""
         w, number, early = request.worker_id, request.after_push_number, None
         if number and not (self.members[w] >= number and w not in self.staged):
-            # before push `number`, behind the sparse work that callers wait for now (compute.py)
-            early = await self.store.run(self._look_ahead, parts, reply, priority=AHEAD)
+            early = await self.store.run(self._look_ahead, parts, reply, priority=AHEAD)  # before push `number`
         if request.after_push or number:
 
             def ready() -> bool:
