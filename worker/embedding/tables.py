@@ -126,8 +126,11 @@ class _OneMessage:
 
     def exception(self) -> BaseException | None:
         """None once the shard took the push; else the retried push's error (``ShardRpcError``)."""
-        if self.future.exception() is None:
-            return None
+        try:
+            if self.future.exception() is None:
+                return None
+        except grpc.FutureCancelledError:  # its channel was closed: the retried push says so as a ShardRpcError
+            pass
         try:
             self.client.push_rows(self.request)
         except Exception as exc:  # noqa: BLE001 - handed to wait_sent, as a call thread's future would
