@@ -105,6 +105,17 @@ def applied_after(before: dict, after: dict, rows: int) -> None:
     assert after["total_rows"] == after["rows"] == rows
 
 
+def a_round_then_an_overflowing_one(fresh, dist) -> dict:
+    """``dist``'s raw push of rows 1-3 (lazy Adam, lr 0.01), applied; then one of rows 2-5 at lr 3e38, staged and
+    refused when applied (Adam's step passes float32's range). Returns the table's state between the two."""
+    cluster, client, numbers = fresh
+    push(client, dist, next(numbers), [1, 2, 3], torch.ones(3, DIM), 0.01)
+    pull(client, dist, [1, 2, 3])
+    before = state(cluster, client)
+    push(client, dist, next(numbers), [2, 3, 4, 5], torch.ones(4, DIM), 3e38)  # staged: checked when applied
+    return before
+
+
 def test_an_optimizer_step_that_raises_refuses_the_round_for_its_members_and_changes_nothing(fresh):
     """Lazy Adam at lr 3e38 (a valid float32): its step size lr / (1 - beta1) passes float32's range, and torch
     raises "value cannot be converted to type float without overflow" inside the step. The round is refused
@@ -112,11 +123,8 @@ def test_an_optimizer_step_that_raises_refuses_the_round_for_its_members_and_cha
     cluster, client, numbers = fresh
     _, dist, _ = attach(cluster, lambda h: torch.optim.Adam(h, lr=0.01))
     try:
-        push(client, dist, next(numbers), [1, 2, 3], torch.ones(3, DIM), 0.01)
-        pull(client, dist, [1, 2, 3])
-        before = state(cluster, client)
+        before = a_round_then_an_overflowing_one(fresh, dist)
         assert before["step"] == 1 and before["total_rows"] == 3
-        push(client, dist, next(numbers), [2, 3, 4, 5], torch.ones(4, DIM), 3e38)  # staged: checked when applied
         error = refused(lambda: pull(client, dist, [4, 5]))
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT
         for part in ("sparse round 1 was refused", "adam step of table 'table'", "lr 3e+38",
@@ -314,6 +322,27 @@ def test_a_refused_round_counts_no_sightings_towards_admission(fresh):
         after = state(cluster, client)
         assert after["total_rows"] == after["admitted_total"] == 1 and after["dropped_unadmitted_total"] == 2
         assert after["ids"] == ids_bytes(torch.tensor([1]))
+    finally:
+        dist.close()
+
+
+def test_a_push_the_shard_refuses_is_raised_and_never_sent_again(fresh):
+    """step()'s push (started without waiting) refused by the shard, here because the round of the worker's
+    previous push was refused (Adam at lr 3e38): waiting for it raises the refusal, and it is not sent again. The
+    shard says a refused round once, so a second send would be staged and applied as if nothing had happened."""
+    cluster, client, numbers = fresh
+    _, dist, _ = attach(cluster, lambda h: torch.optim.Adam(h, lr=0.01))
+    try:
+        before = a_round_then_an_overflowing_one(fresh, dist)
+        dist.tables.send([[pb.PushRowsRequest(
+            worker_id=dist.worker_id, session=dist.session, push=next(numbers),
+            tables=[pb.TableRows(table="table", ids=ids_bytes(torch.tensor([1, 6])), grads=rows_bytes(
+                torch.ones(2, DIM)), lr=0.01)])]])
+        error = refused(dist.tables.wait_sent)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "sparse round 1 was refused" in error.details
+        assert state(cluster, client) == before  # neither push applied
+        assert torch.equal(pull(client, dist, [6]), initial_rows("table", torch.tensor([6]), DIM, 0, 0.5))
+        assert state(cluster, client) == before
     finally:
         dist.close()
 

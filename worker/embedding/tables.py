@@ -31,6 +31,7 @@ from shardps.worker.embedding.export import TableExport, export_table
 from shardps.worker.embedding.modules import unique_ids
 from shardps.worker.embedding.specs import group_spec, table_specs
 from shardps.worker.session.client import ShardClient, ShardRpcError
+from shardps.worker.session.retry import RETRYABLE
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +118,24 @@ class Prefetch:
 
 class _OneMessage:
     """A push of one message to one shard, started now without waiting (``ShardClient.push_rows_future``);
-    :meth:`exception` waits for it, and where gRPC failed it makes the retried push (``ShardClient.push_rows``:
-    the same push number, taken once by the shard) before it answers, as a push from a call thread would."""
+    :meth:`exception` waits for it. A shard's answer is its error, as ``ShardClient.push_rows`` raises it (a
+    refusal is never sent again: the shard says a refused round once); where the call could not be delivered
+    (``RETRYABLE``: the shard restarting, a deadline) or its channel closed, the retried push is made (the same
+    push number, taken once by the shard) before it answers, as a push from a call thread would."""
 
     def __init__(self, client: ShardClient, request: pb.PushRowsRequest) -> None:
         self.client, self.request = client, request
         self.future = client.push_rows_future(request)
 
     def exception(self) -> BaseException | None:
-        """None once the shard took the push; else the retried push's error (``ShardRpcError``)."""
+        """None once the shard took the push; else its error (``ShardRpcError``)."""
         try:
-            if self.future.exception() is None:
+            exc = self.future.exception()
+            if exc is None:
                 return None
-        except grpc.FutureCancelledError:  # its channel was closed: the retried push says so as a ShardRpcError
+            if isinstance(exc, grpc.RpcError) and exc.code() not in RETRYABLE:
+                return self.client.error("push_rows", exc)  # the shard's answer
+        except grpc.FutureCancelledError:  # its channel was closed: the retried push says so
             pass
         try:
             self.client.push_rows(self.request)
