@@ -246,16 +246,10 @@ class _Counted:
     def cancel(self) -> bool:
         return self._future.cancel()
 
-    def exception(self, timeout=None):  # a push started without waiting: counted once the shard took it
-        exc = self._future.exception(timeout)
-        if exc is None:
-            self.result(timeout)
-        return exc
-
 
 def _count_calls(client, counts: dict) -> None:
-    """Count the protobuf bytes of ``client``'s PullRows (blocking and prefetched) and PushRows calls (blocking
-    and started without waiting; requests and replies) in ``counts``."""
+    """Count the protobuf bytes of ``client``'s PullRows (blocking and prefetched) and PushRows calls (requests
+    and replies) in ``counts``."""
     for method in ("pull_rows", "push_rows"):
         inner = getattr(client, method)
 
@@ -265,13 +259,12 @@ def _count_calls(client, counts: dict) -> None:
             return reply
 
         setattr(client, method, wrapped)
-    for method in ("pull_rows_future", "push_rows_future"):
-        started = getattr(client, method)
+    started = client.pull_rows_future
 
-        def ahead(request, _started=started):
-            return _Counted(request, _started(request), counts)
+    def ahead(request):
+        return _Counted(request, started(request), counts)
 
-        setattr(client, method, ahead)
+    client.pull_rows_future = ahead
 
 
 def _cpu(pids: list[int]) -> float:

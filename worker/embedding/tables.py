@@ -31,7 +31,6 @@ from shardps.worker.embedding.export import TableExport, export_table
 from shardps.worker.embedding.modules import unique_ids
 from shardps.worker.embedding.specs import group_spec, table_specs
 from shardps.worker.session.client import ShardClient, ShardRpcError
-from shardps.worker.session.retry import RETRYABLE
 
 log = logging.getLogger(__name__)
 
@@ -114,34 +113,6 @@ class Prefetch:
         """Cancel it unused, counted in ``tables.prefetches["dropped"]``."""
         self.cancel()
         tables.prefetches["dropped"] += 1
-
-
-class _OneMessage:
-    """A push of one message to one shard, started now without waiting (``ShardClient.push_rows_future``);
-    :meth:`exception` waits for it. A shard's answer is its error, as ``ShardClient.push_rows`` raises it (a
-    refusal is never sent again: the shard says a refused round once); where the call could not be delivered
-    (``RETRYABLE``: the shard restarting, a deadline) or its channel closed, the retried push is made (the same
-    push number, taken once by the shard) before it answers, as a push from a call thread would."""
-
-    def __init__(self, client: ShardClient, request: pb.PushRowsRequest) -> None:
-        self.client, self.request = client, request
-        self.future = client.push_rows_future(request)
-
-    def exception(self) -> BaseException | None:
-        """None once the shard took the push; else its error (``ShardRpcError``)."""
-        try:
-            exc = self.future.exception()
-            if exc is None:
-                return None
-            if isinstance(exc, grpc.RpcError) and exc.code() not in RETRYABLE:
-                return self.client.error("push_rows", exc)  # the shard's answer
-        except grpc.FutureCancelledError:  # its channel was closed: the retried push says so
-            pass
-        try:
-            self.client.push_rows(self.request)
-        except Exception as exc:  # noqa: BLE001 - handed to wait_sent, as a call thread's future would
-            return exc
-        return None
 
 
 class SparseTables:
@@ -401,10 +372,7 @@ class SparseTables:
             for part in requests[s]:
                 self._clients[s].push_rows(part)  # (a shard that forgot this worker: wait_sent joins it again)
 
-        # a push of one message starts here, on the calling thread: no hand-off to a call thread that must first
-        # win the interpreter from this one (it reached the shard about 0.5 ms sooner at 1 worker x 1 shard)
-        self._sending = (requests, [_OneMessage(self._clients[s], requests[s][0]) if len(requests[s]) == 1
-                                    else self._pool.submit(one, s) for s in range(len(requests))])
+        self._sending = (requests, [self._pool.submit(one, s) for s in range(len(requests))])
 
     def wait_sent(self) -> None:
         """Wait until every shard took this worker's last push (:meth:`send`); a no-op when none is in flight.

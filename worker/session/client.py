@@ -249,11 +249,6 @@ class ShardClient:
         ``grpc.RpcError``; ``cancel()`` ends it)."""
         return self.stub.PullRows.future(request, timeout=self.rpc_timeout)
 
-    def push_rows_future(self, request: pb.PushRowsRequest) -> grpc.Future:
-        """Start a push of rows without waiting (not retried: :meth:`push_rows` retries it): a ``grpc.Future``
-        (``exception()`` waits and answers the ``grpc.RpcError`` or None)."""
-        return self.stub.PushRows.future(request, timeout=self.rpc_timeout)
-
     def push_rows(self, request: pb.PushRowsRequest) -> pb.PushRowsReply:
         """One step's row gradients; retried (a retry carries the same push number and is counted once)."""
         return self._unary("push_rows", self.stub.PushRows, request, repeatable=True)
