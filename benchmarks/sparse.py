@@ -1,6 +1,6 @@
 """Sparse embedding tables benchmark: a DLRM-style model on a synthetic Criteo-shaped click log.
 
-    python benchmarks/sparse.py [--json PATH] [--quick] [--ids 10000000] [--batch-size 2048]
+    python benchmarks/sparse.py [--json PATH] [--quick] [--ids 10000000] [--bounded] [--batch-size 2048]
                                 [--steps 20] [--warmup 3] [--grid 1x1,2x1,...] [--dense-ids N]
 
 Data (deterministic, generated with torch per step, no files): every sample
@@ -28,7 +28,8 @@ Systems:
 - ``shardps`` (the grid, ``--grid`` ``SxW``: S shards, W workers, default 1,
   2, 4 of each): the 26 tables are hashed ``ShardedEmbeddingBag`` s in one
   ``ShardedEmbeddingBagCollection`` (one pull per shard and step for all of
-  them; ``num_embeddings=None``: any int64 id, rows made when first trained), their
+  them; ``num_embeddings=None``: any int64 id, rows made when first trained; ``--bounded``: tables of
+  ``--ids`` rows, looked up through a direct array on the shard where they hold at most 2^22 ids), their
   rows and Adagrad state on the shards; the MLPs are dense parameters of the
   same ``DistributedOptimizer`` (sync). Every worker is its own spawned process.
   Each step, after its forward, the worker makes the next batch and calls
@@ -209,13 +210,15 @@ def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {str(f): ids[f].view(-1, 1) for f in range(ids.shape[0])}
 
 
-def make_model(kind: str, num_ids: int, row_dtype: str = "float32") -> DLRM:
-    """``kind``: ``sharded`` (hashed ShardedEmbeddingBag, rows of ``row_dtype`` on the shards), ``oracle`` (sparse
-    nn.EmbeddingBag of ``num_ids`` rows), ``dense`` (nn.EmbeddingBag of ``num_ids`` rows, dense gradients)."""
+def make_model(kind: str, num_ids: int, row_dtype: str = "float32", bounded: bool = False) -> DLRM:
+    """``kind``: ``sharded`` (ShardedEmbeddingBag, rows of ``row_dtype`` on the shards: hashed, or with ``bounded``
+    tables of ``num_ids`` rows as TorchRec's and torch's), ``oracle`` (sparse nn.EmbeddingBag of ``num_ids`` rows),
+    ``dense`` (nn.EmbeddingBag of ``num_ids`` rows, dense gradients). The initial rows are the same either way."""
     if kind == "sharded":
         from shardps.worker import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
-        tables = ShardedEmbeddingBagCollection({str(f): ShardedEmbeddingBag(None, DIM, mode="sum",
+        rows = num_ids if bounded else None
+        tables = ShardedEmbeddingBagCollection({str(f): ShardedEmbeddingBag(rows, DIM, mode="sum",
                                                                             dtype=ROW_DTYPES[row_dtype])
                                                 for f in range(FEATURES)})
     else:
@@ -286,7 +289,7 @@ def _worker(rank: int, cfg: dict, servers: str, out_dir: str) -> None:
     kind, workers, n, per = cfg["kind"], cfg["workers"], cfg["ids"], cfg["batch"]
     perm = _multipliers(n)
     began = time.perf_counter()
-    model = make_model(kind, n, cfg.get("row_dtype", "float32"))
+    model = make_model(kind, n, cfg.get("row_dtype", "float32"), cfg.get("bounded", False))
     if kind == "sharded":
         tables = [m.handle for m in model.tables.bags.values()]
         dense = torch.optim.Adam([p for name, p in model.named_parameters() if not name.startswith("tables.")],
@@ -423,6 +426,7 @@ def run_shardps(kind: str, shards: int, workers: int, args, num_ids: int, prefet
 
     cfg = {"kind": kind, "workers": workers, "ids": num_ids, "batch": args.batch_size, "zipf": args.zipf,
            "prefetch": kind == "sharded" and prefetch, "row_dtype": args.row_dtype,
+           "bounded": getattr(args, "bounded", False),
            "warmup": args.warmup if kind == "sharded" else 1, "steps": args.steps,
            "threads": max(1, ((os.cpu_count() or 1) - shards) // workers)}
     with tempfile.TemporaryDirectory() as out, \
@@ -492,6 +496,7 @@ def main() -> None:
     p.add_argument("--row-dtype", choices=sorted(ROW_DTYPES), default="float32",
                    help="the shardps tables' row weights on the shards and the wire (default float32)")
     p.add_argument("--ids", type=int, default=10 ** 7, help="ids per categorical feature (default 10**7)")
+    p.add_argument("--bounded", action="store_true", help="shardps' tables bounded at --ids rows (default: hashed)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (default 1.1)")
     p.add_argument("--batch-size", type=int, default=2048, help="samples per worker per step (default 2048)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")

@@ -1,7 +1,7 @@
 """shardps against TorchRec and plain torch on the DLRM shape of ``benchmarks/sparse.py``, interleaved.
 
     python benchmarks/torchrec_compare.py [--json PATH] [--ids 1000000] [--batch-size 4096] [--steps 20]
-                                          [--warmup 3] [--pairs 3] [--row-dtype float32] [--quick]
+                                          [--warmup 3] [--pairs 3] [--row-dtype float32] [--hashed] [--quick]
 
 The model, the data and the optimizers are ``benchmarks/sparse.py``'s (26 tables of dim 16, one id per bag,
 Zipf ids over ``--ids``, Adam on the MLPs, Adagrad lr 0.05 on the tables); every system trains the same
@@ -14,7 +14,9 @@ each of ``--pairs`` rounds (this machine's speed drifts over minutes: a ratio co
   (``EXACT_ADAGRAD``) to the touched rows) in one process, with 1 torch thread and with every core; the
   faster of the two is the round's baseline;
 - ``torch``: ``nn.EmbeddingBag(sparse=True)`` tables and ``torch.optim.Adagrad`` in one process (every core);
-- ``shardps``: 1 shard x 1 worker (``sparse.run_shardps``: the collection, prefetching, sync).
+- ``shardps``: 1 shard x 1 worker (``sparse.run_shardps``: the collection, prefetching, sync), its 26 tables
+  bounded at ``--ids`` rows as TorchRec's and torch's are (``--hashed``: hashed tables, any int64 id, as
+  ``benchmarks/sparse.py`` declares them; the rows and the losses are the same either way).
 
 Printed and written: samples/s, CPU ms per step (the process's, plus the shard's for shardps), the mean loss
 of the last 3 steps, per system and round, and the medians of ``shardps / torchrec`` and ``shardps / torch``.
@@ -142,8 +144,11 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="rounds of the interleaved runs (default 3)")
     p.add_argument("--row-dtype", choices=sorted(sparse.ROW_DTYPES), default="float32",
                    help="the shardps tables' rows on the shards (default float32)")
+    p.add_argument("--hashed", action="store_true",
+                   help="shardps' tables hashed (any int64 id) instead of bounded at --ids rows as TorchRec's")
     p.add_argument("--quick", action="store_true", help="a smoke run (module docstring)")
     args = p.parse_args()
+    args.bounded = not args.hashed
     if args.quick:
         args.ids, args.batch_size, args.steps, args.warmup, args.pairs = 10 ** 4, 512, 2, 2, 1
     cores = torch.get_num_threads()
@@ -169,7 +174,7 @@ def main() -> None:
     print(f"shardps 1x1 / TorchRec (median): {median['vs_torchrec']:.3f} samples/s (goal >= 0.8), "
           f"{median['cpu_vs_torchrec']:.2f} CPU per step (goal <= 1.5); / torch {median['vs_torch']:.3f}")
     emit({"ids": args.ids, "batch": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-          "row_dtype": args.row_dtype, "quick": args.quick, "rounds": rounds, "median": median,
+          "row_dtype": args.row_dtype, "bounded": args.bounded, "quick": args.quick, "rounds": rounds, "median": median,
           "goal": {"vs_torchrec": 0.8, "cpu_vs_torchrec": 1.5, "loss_atol": 1e-4}}, args.json)
 
 

@@ -20,6 +20,14 @@ empty entry) and held at most once, so the hit is the window's only entry
 with its key. Inserting, keys that pick the same free entry take the
 first, second, ... free entries of their window by rank, so a pass
 places almost every key.
+
+A bounded table of at most :data:`DIRECT_MAX_IDS` ids (every id in ``[0,
+num_embeddings)``, checked where a request comes in) keeps its slots in a
+direct array instead (:meth:`IdIndex.make_direct`): 4 bytes per id of the
+table, and a lookup is one gather, where probing the hash takes three
+gathers of a window per key, each a cache miss in a large table (48,000
+keys looked up among 2.6 million held: 26 ms probing, 0.8 ms direct, on
+the 2-core machine).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ _WIDE = 16  # and in each later pass (the few keys left, in long clusters)
 _TAG_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads tags over the id bits
 #: Tags an index takes: [0, MAX_TAG].
 MAX_TAG = 2**15 - 1
+#: The most ids a bounded table may have to keep its slots in a direct array (16 MiB of int32 slots).
+DIRECT_MAX_IDS = 2**22
 
 
 class IdIndex:
@@ -48,9 +58,14 @@ class IdIndex:
         while cap < capacity:
             cap *= 2
         self._alloc(cap)
-        self.size = 0
+        self.size = 0  # keys in the hash (those of direct tags are direct_size)
         self._window, self._wide = torch.arange(_WINDOW), torch.arange(_WIDE)
         self._later: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see insert_later
+        self._direct = torch.empty(0, dtype=torch.int32)  # the slots of every direct tag's ids, -1: absent
+        self._start = torch.empty(0, dtype=torch.int64)  # per tag: where its ids start in _direct, -1: hashed
+        self._limit = torch.empty(0, dtype=torch.int64)  # per tag: its num_embeddings (direct tags)
+        self.direct_size = 0  # keys held in _direct
+        self._direct_used = 0  # entries of _direct that belong to a tag (the rest: room to grow)
 
     def _alloc(self, cap: int) -> None:
         self.cap = cap
@@ -61,11 +76,64 @@ class IdIndex:
 
     def __len__(self) -> int:
         """Keys held, those of :meth:`insert_later` included (read-only: safe from a metrics thread)."""
-        return self.size + sum(ids.numel() for ids, _, _ in list(self._later))
+        return self.size + self.direct_size + sum(ids.numel() for ids, _, _ in list(self._later))
 
     def nbytes(self) -> int:
         """Bytes of the index's tensors (read-only: safe from a metrics thread)."""
-        return self.cap * 14
+        return self.cap * 14 + self._direct_used * 4
+
+    def make_direct(self, tag: int, num_embeddings: int) -> None:
+        """Keep the slots of ``tag``'s keys, whose ids are all in ``[0, num_embeddings)``, in a direct array (see
+        the module docstring); :meth:`find` answers -1 for an id outside that range.
+
+        Raises:
+            ValueError: ``num_embeddings`` not in ``[1, DIRECT_MAX_IDS]``, ``tag`` outside ``[0, MAX_TAG]``, or the
+                tag holds keys already.
+        """
+        if not 0 < num_embeddings <= DIRECT_MAX_IDS or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"a direct tag takes 1 to {DIRECT_MAX_IDS} ids and a tag in [0, {MAX_TAG}], got "
+                             f"{num_embeddings} ids under tag {tag}")
+        if self._start_of(tag) >= 0 or self.items(tag)[0].numel():
+            raise ValueError(f"tag {tag} holds keys already: make it direct before inserting any")
+        if tag >= self._start.numel():
+            grow = tag + 1 - self._start.numel()
+            self._start = torch.cat([self._start, torch.full((grow,), -1, dtype=torch.int64)])
+            self._limit = torch.cat([self._limit, torch.zeros(grow, dtype=torch.int64)])
+        start = self._direct_used
+        if start + num_embeddings > self._direct.numel():  # grown by doubling: declaring many tables copies little
+            grown = torch.empty(max(start + num_embeddings, 2 * self._direct.numel()), dtype=torch.int32)
+            grown[:start] = self._direct[:start]
+            self._direct = grown
+        self._direct[start:start + num_embeddings] = _EMPTY
+        self._direct_used = start + num_embeddings
+        self._start[tag], self._limit[tag] = start, num_embeddings
+
+    def _start_of(self, tag: int) -> int:
+        return int(self._start[tag]) if 0 <= tag < self._start.numel() else -1
+
+    def _direct_at(self, ids: torch.Tensor, tags) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+        """``(position of each key in _direct, -1 where its id is out of its tag's range; which keys are of direct
+        tags: a bool [n], or True/False for all of them)``; ``(None, False)`` where none is."""
+        if not self._start.numel():
+            return None, False
+        if not isinstance(tags, torch.Tensor) or tags.dim() == 0:
+            start = self._start_of(int(tags))
+            if start < 0:
+                return None, False
+            ok = (ids >= 0) & (ids < int(self._limit[int(tags)]))
+            return torch.where(ok, ids + start, -1), True
+        known = (tags >= 0) & (tags < self._start.numel())
+        t = torch.where(known, tags, 0)
+        start = torch.where(known, self._start.index_select(0, t), -1)
+        direct = start >= 0
+        if not bool(direct.any()):
+            return None, False
+        ok = direct & (ids >= 0) & (ids < self._limit.index_select(0, t))
+        return torch.where(ok, ids + start, -1), (True if bool(direct.all()) else direct)
+
+    def _direct_slots(self, at: torch.Tensor) -> torch.Tensor:
+        """The slot at each position ``at`` of _direct (int64), -1 where ``at`` is -1."""
+        return torch.where(at >= 0, self._direct.index_select(0, at.clamp(min=0)).to(torch.int64), -1)
 
     def insert_later(self, ids: torch.Tensor, slots: torch.Tensor, tags) -> None:
         """:meth:`insert`, done by :meth:`flush` or the next call of any other method (a round's new keys go in
@@ -135,12 +203,35 @@ class IdIndex:
         self.flush()
         if not ids.numel():
             return torch.empty(0, dtype=torch.int64)
+        at, direct = self._direct_at(ids, tags)
+        if direct is True:
+            return self._direct_slots(at)
+        if direct is False:
+            return self._find_hashed(ids, tags)
+        out = self._direct_slots(at)
+        hashed = (~direct).nonzero().reshape(-1)
+        out[hashed] = self._find_hashed(ids.index_select(0, hashed), tags.index_select(0, hashed))
+        return out
+
+    def _find_hashed(self, ids: torch.Tensor, tags) -> torch.Tensor:
         where = self._locate(ids, tags)
         return torch.where(where >= 0, self.slots[where.clamp(min=0)].to(torch.int64), -1)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor, tags=0) -> None:
         """Add keys (unique, none present) with their ``slots`` (int64 ``[n]``)."""
         self.flush()
+        at, direct = self._direct_at(ids, tags) if ids.numel() else (None, False)
+        if direct is not False:
+            mine = slice(None) if direct is True else direct
+            put = at[mine]
+            if bool((put < 0).any()):
+                raise ValueError("an id outside its bounded table's range cannot be inserted")
+            self._direct.index_copy_(0, put, slots[mine].to(torch.int32))
+            self.direct_size += put.numel()
+            if direct is True:
+                return
+            rest = (~direct).nonzero().reshape(-1)
+            ids, slots, tags = ids.index_select(0, rest), slots.index_select(0, rest), tags.index_select(0, rest)
         n = ids.numel()
         if not n:
             return
@@ -190,6 +281,19 @@ class IdIndex:
     def remove(self, ids: torch.Tensor, tags=0) -> torch.Tensor:
         """Remove the keys present; returns their slots (int64, in ``ids``' order, absent ones left out)."""
         self.flush()
+        at, direct = self._direct_at(ids, tags) if ids.numel() else (None, False)
+        if direct is not False:
+            found = self.find(ids, tags)  # in ids' order, as the answer
+            gone = at[(found >= 0) & (direct if direct is not True else True)]
+            self._direct.index_fill_(0, gone, _EMPTY)
+            self.direct_size -= gone.numel()
+            if direct is not True:
+                rest = (~direct).nonzero().reshape(-1)
+                self._remove_hashed(ids.index_select(0, rest), tags.index_select(0, rest))
+            return found[found >= 0]
+        return self._remove_hashed(ids, tags)
+
+    def _remove_hashed(self, ids: torch.Tensor, tags) -> torch.Tensor:
         where = self._locate(ids, tags)
         where = where[where >= 0]
         slots = self.slots[where].to(torch.int64)
@@ -202,15 +306,30 @@ class IdIndex:
 
     def items(self, tag: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every ``(ids, slots, tags)`` held (under ``tag`` only, if given), int64 ``[n]`` each, in table order.
-        One pass over the whole table."""
+        One pass over the whole table (a direct tag: over its array, ids in increasing order)."""
         self.flush()
+        if tag is not None and self._start_of(tag) >= 0:
+            return self._direct_items(tag)
+        hashed = self._hashed_items(tag)
+        if tag is not None or not self.direct_size:
+            return hashed
+        parts = [hashed, *(self._direct_items(t) for t in (self._start >= 0).nonzero().reshape(-1).tolist())]
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def _direct_items(self, tag: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        start = self._start_of(tag)
+        region = self._direct[start:start + int(self._limit[tag])]
+        ids = (region >= 0).nonzero().reshape(-1)
+        return ids, region.index_select(0, ids).to(torch.int64), torch.full_like(ids, tag)
+
+    def _hashed_items(self, tag: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         used = self.slots >= 0
         if tag is not None:
             used &= self.tags == tag
         return self.keys[used].clone(), self.slots[used].to(torch.int64), self.tags[used].to(torch.int64)
 
     def _rehash(self, want: int) -> None:
-        ids, slots, tags = self.items()
+        ids, slots, tags = self._hashed_items()
         cap = 16
         while 4 * want > 3 * cap:  # at most 3/4 full, more than 3/8 after growing
             cap *= 2

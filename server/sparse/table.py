@@ -28,7 +28,7 @@ import torch
 from shardps.common.rows import TableSpec, placement_salt, state_widths
 from shardps.server.errors import ResourceExhausted
 from shardps.server.sparse.deltas import EvictionLog
-from shardps.server.sparse.index import IdIndex
+from shardps.server.sparse.index import DIRECT_MAX_IDS, IdIndex
 from shardps.server.sparse.slab import RowSlab
 
 #: Counters each table keeps (metrics and Stats read them).
@@ -47,6 +47,8 @@ class RowTable:
 
     def __init__(self, spec: TableSpec, max_bytes: int, index: IdIndex, tag: int, slab: RowSlab | None = None) -> None:
         self.spec, self.max_bytes, self.index, self.tag = spec, max_bytes, index, tag
+        if 0 < spec.num_embeddings <= DIRECT_MAX_IDS:  # bounded and small enough: its slots in an array (index.py)
+            index.make_direct(tag, spec.num_embeddings)
         self.place_salt = placement_salt(spec.name)
         self.widths = state_widths(spec.optimizer, spec.embedding_dim)
         self.slab = RowSlab(spec.embedding_dim, self.widths, spec.row_dtype, spec.ttl_seconds > 0) if slab is None \

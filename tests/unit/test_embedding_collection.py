@@ -61,3 +61,22 @@ def test_bags_of_one_id_are_a_gather_equal_to_embedding_bag(mode):
     assert torch.equal(bags(two, weight, None, mode, None, False, None), F.embedding_bag(two, weight, mode=mode))
     padded = bags(index, weight, None, mode, None, False, 3)
     assert torch.equal(padded, F.embedding_bag(index, weight, mode=mode, padding_idx=3))
+
+
+def test_the_one_pass_bitmap_lookup_equals_unique_then_dropping_the_padding():
+    """``bitmap_lookup`` (the prefetching loader's lookups of small tables) gives what ``torch.unique`` then
+    ``drop_padding`` give, with and without a padding id present, and the bitmap of the ids kept."""
+    from shardps.worker.embedding.modules import bitmap_lookup, drop_padding, unique_ids
+
+    g = torch.Generator().manual_seed(3)
+    cases = [(torch.randint(0, n, (k,), generator=g), n, pad)
+             for n in (1, 7, 20, 2775) for k in (0, 1, 50, 4096) for pad in (None, 0, 3 % n, n - 1)]
+    cases.append((torch.tensor([4, 4, 4]), 5, 4))  # nothing but padding
+    for ids, n, pad in cases:
+        seen, unique, inverse, local_pad = bitmap_lookup(ids, n, pad)
+        want = drop_padding(*torch.unique(ids, return_inverse=True), pad)
+        assert torch.equal(unique, want[0]) and unique.dtype == torch.int64
+        assert torch.equal(inverse, want[1]) and inverse.dtype == torch.int64
+        assert local_pad == want[2]
+        assert torch.equal(seen.nonzero().reshape(-1), unique)
+        assert [t.tolist() for t in unique_ids(ids, n)] == [t.tolist() for t in torch.unique(ids, return_inverse=True)]

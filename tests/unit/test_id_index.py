@@ -1,6 +1,7 @@
 """``IdIndex`` (the shard's id -> slot map of sparse tables) against a Python dict, through growth, removal and
 rehashing, with ids colliding on purpose."""
 
+import pytest
 import torch
 
 from shardps.server.sparse.index import IdIndex
@@ -75,3 +76,59 @@ def test_keys_inserted_later_count_at_once_and_are_in_place_for_every_other_call
     index.insert_later(torch.arange(50, 53), torch.arange(50, 53), torch.zeros(3, dtype=torch.int64))
     assert index.remove(torch.tensor([51, 0])).tolist() == [51, 0]
     _check(index, {i: i for i in [*range(1, 45), 50, 52]}, torch.arange(-3, 60))
+
+
+def test_direct_tags_beside_hashed_ones_match_a_dict_through_inserts_and_removals():
+    """Bounded tables' tags kept in direct arrays (``make_direct``) and hashed tags in one index, looked up,
+    inserted and removed in mixed batches: the same answers as a dict; ids outside a direct tag's range read -1."""
+    from shardps.server.sparse.index import DIRECT_MAX_IDS
+
+    g = torch.Generator().manual_seed(11)
+    index, oracle, next_slot = IdIndex(capacity=16), {}, 0
+    limits = {1: 50, 3: 7}  # direct tags and their num_embeddings; tags 0 and 2 hashed
+    for tag, n in limits.items():
+        index.make_direct(tag, n)
+    with pytest.raises(ValueError, match="holds keys already"):
+        index.make_direct(1, 50)
+    with pytest.raises(ValueError, match="1 to"):
+        index.make_direct(4, DIRECT_MAX_IDS + 1)
+
+    def ids_of(tag: int, k: int) -> torch.Tensor:
+        n = limits.get(tag, 0)
+        return torch.randint(0, n, (k,), generator=g) if n else torch.randint(-2**40, 2**40, (k,), generator=g)
+
+    for step in range(30):
+        tags = torch.randint(0, 4, (120,), generator=g)
+        ids = torch.cat([ids_of(int(t), 1) for t in tags])
+        keys = list(dict.fromkeys(zip(tags.tolist(), ids.tolist())))  # unique (tag, id), in order
+        new = [k for k in keys if k not in oracle]
+        new_tags = torch.tensor([t for t, _ in new], dtype=torch.int64)
+        new_ids = torch.tensor([i for _, i in new], dtype=torch.int64)
+        slots = torch.arange(next_slot, next_slot + len(new))
+        next_slot += len(new)
+        index.insert(new_ids, slots, new_tags)
+        oracle.update(zip(new, slots.tolist()))
+        if step % 4 == 3:  # remove some held keys and some never held, in one mixed batch
+            held = list(oracle)
+            gone = [held[int(j)] for j in torch.randperm(len(held), generator=g)[: len(held) // 3]]
+            asked = gone + [(1, 49) if (1, 49) not in oracle else (0, 2**41), (2, -5)]
+            removed = index.remove(torch.tensor([i for _, i in asked]), torch.tensor([t for t, _ in asked]))
+            assert removed.tolist() == [oracle.pop(k) for k in asked if k in oracle]  # in the order asked
+        probe_tags = torch.randint(0, 4, (200,), generator=g)
+        probe_ids = torch.cat([ids_of(int(t), 1) for t in probe_tags])
+        probe_ids[:5] = torch.tensor([-1, 50, 7, 2**62, -2**62])  # out of every direct range
+        probe_tags[:5] = torch.tensor([1, 1, 3, 1, 3])
+        got = index.find(probe_ids, probe_tags).tolist()
+        assert got == [oracle.get((t, i), -1) for t, i in zip(probe_tags.tolist(), probe_ids.tolist())]
+        for tag in range(4):  # one tag alone, as a table asks
+            mine = [(i, s) for (t, i), s in oracle.items() if t == tag]
+            ids, slots, tags_back = index.items(tag)
+            assert dict(zip(ids.tolist(), slots.tolist())) == dict(mine) and bool((tags_back == tag).all())
+            if tag in limits:
+                assert ids.tolist() == sorted(ids.tolist())
+                assert index.find(ids, tag).tolist() == slots.tolist()
+        ids, slots, tags_back = index.items()
+        assert dict(zip(zip(tags_back.tolist(), ids.tolist()), slots.tolist())) == oracle
+        assert len(index) == len(oracle)
+    with pytest.raises(ValueError, match="outside its bounded table's range"):
+        index.insert(torch.tensor([50]), torch.tensor([0]), 1)

@@ -250,6 +250,25 @@ def unique_ids(ids: torch.Tensor, num_embeddings: int = 0) -> tuple[torch.Tensor
     return torch.unique(flat, return_inverse=True)
 
 
+def bitmap_lookup(flat: torch.Tensor, num_embeddings: int, padding_idx: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+    """``drop_padding(*unique_ids(flat, num_embeddings), padding_idx)`` in one pass over a bitmap of the table, for
+    int64 ids ``flat`` ``[n]`` all in ``[0, num_embeddings)`` (the caller checked): ``(seen, unique, local, pad)``,
+    ``seen`` bool ``[num_embeddings]`` the ids present but the padding id, then the same values as the two calls."""
+    seen = torch.zeros(num_embeddings, dtype=torch.bool)
+    seen.index_fill_(0, flat, True)
+    pad = None
+    if padding_idx is not None and bool(seen[padding_idx]):
+        seen[padding_idx] = False
+        pad = padding_idx
+    index = torch.cumsum(seen, 0, dtype=torch.int64).sub_(1)
+    unique = seen.nonzero().reshape(-1)
+    if pad is not None:
+        pad = unique.numel()
+        index[padding_idx] = pad
+    return seen, unique, index.index_select(0, flat), pad
+
+
 def drop_padding(unique: torch.Tensor, inverse: torch.Tensor, padding_idx: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """A lookup's sorted unique ids ``[m]`` and the local index of each id (int64, into them) with the padding id

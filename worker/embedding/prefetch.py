@@ -31,9 +31,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from shardps.worker.embedding.modules import ShardedTable, drop_padding, unique_ids
+from shardps.worker.embedding.modules import ShardedTable, bitmap_lookup, drop_padding, unique_ids
 
 __all__ = ["prefetching", "Prefetching"]
+
+
+def _in_range(ids: torch.Tensor, n: int) -> bool:
+    """Every id of ``ids`` (int64 ``[k]``) in ``[0, n)``: it passes the forward's ``check_ids`` (its dtype aside)."""
+    if not ids.numel():
+        return True
+    low, high = torch.aminmax(ids)
+    return 0 <= int(low) and int(high) < n
 
 
 def _tables_of(dist):
@@ -89,11 +97,19 @@ class Prefetching:
             module = self._tables.tables[name][0] if name in self._tables.tables else None
             if module is None:
                 raise KeyError(f"no sharded table named {name!r} (tables: {', '.join(self._tables.tables)})")
+            n = module.num_embeddings or 0
+            total = sum(part.numel() for part in parts)  # checked: as the forward's check_ids would (dtype aside)
+            checked = not n or (total > 0 and all(_in_range(part, n) for part in parts))
+            if n and checked and n <= 4 * total:  # a bitmap of the table
+                seen = None  # each tensor's own lookup from a bitmap of its ids; the table's the union of them
+                for source, part in zip(sources[name], parts):
+                    part_seen, unique, inverse, pad = bitmap_lookup(part, n, module.padding_idx)
+                    self._know(module, source, unique, inverse, pad, True)
+                    seen = part_seen if seen is None else seen.logical_or_(part_seen)
+                out[name] = unique if len(parts) == 1 else seen.nonzero().reshape(-1)
+                continue
             ids = parts[0] if len(parts) == 1 else torch.cat(parts)
-            n = module.num_embeddings or 0  # a bitmap where the ids are in range (the forward checks them)
-            in_range = n and ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < n
-            unique, inverse = unique_ids(ids, n if in_range else 0)
-            checked = in_range or not n  # every id passes the forward's check_ids (its dtype aside)
+            unique, inverse = unique_ids(ids)
             if len(parts) == 1:
                 unique, inverse, pad = drop_padding(unique, inverse, module.padding_idx)
                 self._know(module, sources[name][0], unique, inverse, pad, checked)
