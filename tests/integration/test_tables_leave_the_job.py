@@ -253,10 +253,14 @@ def test_a_table_called_for_two_fields_reuses_the_loaders_lookups_and_trains_bit
 
 def test_ids_edited_after_the_loader_gave_them_are_looked_up_as_edited(shards):
     """A lookup reuses what the prefetching loader made of a tensor's ids only while the tensor is unedited: a
-    trainer that edits the batch's ids in place trains as the plain loop on the edited ids, bit for bit."""
+    trainer that edits the batch's ids in place trains as the plain loop on the edited ids, bit for bit, also
+    where the edit went round autograd's version counter (through a NumPy view of the tensor)."""
     def edited(b: dict) -> dict:
         b["user"][:3] = 29 - b["user"][:3]  # in place: the tensor ids_of saw, edited after it saw it
         b["item"].add_(7919)
+        version = b["genres"]._version
+        b["genres"].numpy()[1:, 0] = 11 - b["genres"].numpy()[1:, 0]  # unseen by the version counter
+        assert b["genres"]._version == version
         return b
 
     (plain, _), (fetched, _) = plain_and_prefetching(shards, edited)

@@ -115,7 +115,7 @@ class ShardedTable(nn.Module):
         self.tables = None  # the DistributedOptimizer's SparseTables once attached (``attach``)
         self.closed = False  # it was attached, then detached: its DistributedOptimizer was closed
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, leaf) per lookup of the step
-        #: ``(ids, ids._version, unique, inverse, pad)`` of the ids tensors of the last batches that a prefetching
+        #: ``(ids, ids._version, a copy of ids, unique, inverse, pad)`` of the ids tensors of the last batches that a prefetching
         #: loader already checked and made unique, as :meth:`prepare_lookup` returns them (``prefetch.Prefetching``,
         #: one entry per tensor: a table called for two fields has two a batch): a lookup of that very tensor
         #: reuses them
@@ -208,11 +208,10 @@ class ShardedTable(nn.Module):
         Raises:
             RuntimeError: not attached. TypeError, ValueError: see ``check_ids``.
         """
-        for known, version, unique, inverse, pad in self.known:
+        for known, version, copy, unique, inverse, pad in self.known:
             if known is ids and version == ids._version and self.tables is not None:
-                local = unique if pad is None else torch.cat([unique, unique.new_tensor([self.padding_idx])])
-                if torch.equal(local.index_select(0, inverse), ids.reshape(-1).to("cpu", torch.int64)):
-                    return unique, inverse.view(ids.shape), pad  # checked and made unique (edits outside autograd)
+                if torch.equal(ids, copy):  # checked and made unique as it was then (edits outside autograd)
+                    return unique, inverse.view(ids.shape), pad
         self.check_lookup(ids)
         if unique_inverse is None:
             unique_inverse = unique_ids(ids if ids.dtype == torch.int64 else ids.long(), self.num_embeddings or 0)

@@ -128,10 +128,11 @@ class Prefetching:
     def _know(module: ShardedTable, source: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
               pad: int | None, checked: bool) -> None:
         """The forward's lookup of this very tensor (checked here as the forward would) reuses ``unique``,
-        ``inverse`` and ``pad`` (``ShardedTable.prepare_lookup``); the prefetched rows are read whole where
+        ``inverse`` and ``pad`` (``ShardedTable.prepare_lookup``) where it still equals a copy taken now (an
+        edit that bypassed autograd's version counter is caught); the prefetched rows are read whole where
         ``unique`` is the tensor prefetched, else found in them."""
         if checked and source.dtype in (torch.int64, torch.int32):
-            module.known.append((source, source._version, unique, inverse, pad))
+            module.known.append((source, source._version, source.clone(), unique, inverse, pad))
 
     def __iter__(self) -> Iterator:
         it = iter(self.loader)
