@@ -30,7 +30,8 @@ import torch
 from shardps.common.rows import initial_rows_by, initial_rows_salted, salt
 from shardps.server.sparse import optimizers, rounds
 
-__all__ = ["new_counts", "read_rows", "reread_rows", "prepare_round", "commit_round", "apply_round", "found_in",
+__all__ = ["new_counts", "read_rows", "reread_rows", "touched_of", "prepare_round", "commit_round", "apply_round",
+           "found_in",
            "PreparedRound"]
 
 
@@ -132,18 +133,38 @@ def read_rows(tables: list, ids: list[torch.Tensor], slots: list[torch.Tensor],
     return result
 
 
+def touched_of(parts: list[tuple], slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The round each row at ``slots[k]`` (of ``parts[k] = (table, ids)``'s slab; -1: not a row) was last pushed
+    in: int32 ``[n_k]`` per part, -2 where not a row. A round writes a row's round with its values, so a row whose
+    slot and round are as they were holds the values it held (what :func:`reread_rows` skips)."""
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    for slab, group in _by_slab([t for t, _ in parts]):
+        flat = torch.cat([slots[k] for k in group])
+        rounds = torch.where(flat >= 0, slab.touched.index_select(0, flat.clamp(min=0)), -2)
+        for k, piece in zip(group, rounds.split([slots[k].numel() for k in group])):
+            out[k] = piece
+    return out
+
+
 def reread_rows(tables: list, ids: list[torch.Tensor], before: list[torch.Tensor], slots: list[torch.Tensor],
-                rows: list[torch.Tensor]) -> list[torch.Tensor]:
+                rows: list[torch.Tensor], rounds: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``rows`` (``[n_k, dim]`` of the table's dtype per table), read when ``ids[k]`` were at slots ``before[k]``, as they read
     now that they are at ``slots[k]``: rows are read again from the slabs, ids that were not rows and still are
-    not keep their initial values, and ids no longer rows (evicted since) read as initial values again. New
-    tensors, same shapes."""
+    not keep their initial values, and ids no longer rows (evicted since) read as initial values again. With
+    ``rounds`` (:func:`touched_of` the slots ``before``, taken with the read), only the rows that moved or that
+    a round wrote since are read again (a prefetch's next batch shares a fifth of its ids with the round's).
+    New tensors, same shapes."""
     out: list[torch.Tensor | None] = [None] * len(tables)
     for slab, group in _by_slab(tables):
         sizes = [slots[k].numel() for k in group]
         flat_rows = torch.cat([rows[k] for k in group])
         flat_slots = torch.cat([slots[k] for k in group])
-        present = (flat_slots >= 0).nonzero().reshape(-1)
+        changed = flat_slots >= 0
+        if rounds is not None:
+            now = slab.touched.index_select(0, flat_slots.clamp(min=0))
+            changed &= (flat_slots != torch.cat([before[k] for k in group])) | \
+                (now != torch.cat([rounds[k] for k in group]))
+        present = changed.nonzero().reshape(-1)
         flat_rows.index_copy_(0, present, slab.weights.index_select(0, flat_slots.index_select(0, present)))
         lost = ((flat_slots < 0) & (torch.cat([before[k] for k in group]) >= 0))
         counts = _counts(lost, sizes)
@@ -364,6 +385,16 @@ def found_in(found: list[torch.Tensor], parts: list[tuple], made_ids: torch.Tens
     sizes = [i.numel() for _, i in parts]
     ids = torch.cat([i for _, i in parts]).index_select(0, missing)
     tags = torch.tensor([t.tag for t, _ in parts]).repeat_interleave(torch.tensor(sizes)).index_select(0, missing)
+    direct = index.direct_keys(tags)  # bounded tables' keys: looked up again (one gather; never held back)
+    if direct is not False:
+        flat = flat.clone()
+        if direct is True:
+            flat[missing] = index.find_direct(ids, tags)
+            return list(flat.split(sizes))
+        at = direct.nonzero().reshape(-1)
+        flat[missing.index_select(0, at)] = index.find_direct(ids.index_select(0, at), tags.index_select(0, at))
+        rest = (~direct).nonzero().reshape(-1)
+        missing, ids, tags = missing.index_select(0, rest), ids.index_select(0, rest), tags.index_select(0, rest)
     made_keys = index.keys_mix(made_ids, made_tags)
     order = torch.argsort(made_keys)
     sorted_keys = made_keys.index_select(0, order)

@@ -131,15 +131,50 @@ class IdIndex:
         ok = direct & (ids >= 0) & (ids < self._limit.index_select(0, t))
         return torch.where(ok, ids + start, -1), (True if bool(direct.all()) else direct)
 
+    def direct_keys(self, tags) -> torch.Tensor | bool:
+        """Which keys of ``tags`` (an int, or int64 ``[n]``) are held in direct arrays: a bool ``[n]``, or True/False
+        for all of them. A direct key's :meth:`find` is one gather, cheaper than any search for it elsewhere."""
+        if not isinstance(tags, torch.Tensor) or tags.dim() == 0:
+            return self._start_of(int(tags)) >= 0
+        return self._direct_at(torch.zeros_like(tags), tags)[1]
+
     def _direct_slots(self, at: torch.Tensor) -> torch.Tensor:
         """The slot at each position ``at`` of _direct (int64), -1 where ``at`` is -1."""
         return torch.where(at >= 0, self._direct.index_select(0, at.clamp(min=0)).to(torch.int64), -1)
 
     def insert_later(self, ids: torch.Tensor, slots: torch.Tensor, tags) -> None:
         """:meth:`insert`, done by :meth:`flush` or the next call of any other method (a round's new keys go in
-        while the shard would otherwise wait: after its answer, before the next lookup). ``tags``: int64 ``[n]``."""
+        while the shard would otherwise wait: after its answer, before the next lookup); keys of direct tags go in
+        at once (one scatter). ``tags``: int64 ``[n]``."""
         if ids.numel():
-            self._later.append((ids, slots, torch.as_tensor(tags, dtype=torch.int64).expand(ids.numel())))
+            tags = torch.as_tensor(tags, dtype=torch.int64).expand(ids.numel())
+            ids, slots, tags = self._insert_direct(ids, slots, tags)
+            if ids.numel():
+                self._later.append((ids, slots, tags))
+
+    def _insert_direct(self, ids: torch.Tensor, slots: torch.Tensor, tags) -> tuple:
+        """Put the keys of direct tags in their arrays; the others, ``(ids, slots, tags)``, are the caller's."""
+        at, direct = self._direct_at(ids, tags) if ids.numel() else (None, False)
+        if direct is False:
+            return ids, slots, tags
+        mine = slice(None) if direct is True else direct
+        put = at[mine]
+        if bool((put < 0).any()):
+            raise ValueError("an id outside its bounded table's range cannot be inserted")
+        self._direct.index_copy_(0, put, slots[mine].to(torch.int32))
+        self.direct_size += put.numel()
+        if direct is True:
+            return ids[:0], slots[:0], ids[:0]
+        rest = (~direct).nonzero().reshape(-1)
+        return ids.index_select(0, rest), slots.index_select(0, rest), tags.index_select(0, rest)
+
+    def find_direct(self, ids: torch.Tensor, tags) -> torch.Tensor:
+        """:meth:`find` of keys all of direct tags (:meth:`direct_keys`), without flushing the keys of hashed tags
+        that :meth:`insert_later` holds (those of direct tags never wait). Int64 ``[n]``, -1 where absent."""
+        at, direct = self._direct_at(ids, tags) if ids.numel() else (None, True)
+        if direct is not True:
+            raise ValueError("find_direct takes keys of direct tags only")
+        return self._direct_slots(at) if ids.numel() else torch.empty(0, dtype=torch.int64)
 
     @property
     def pending(self) -> bool:
@@ -220,18 +255,7 @@ class IdIndex:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor, tags=0) -> None:
         """Add keys (unique, none present) with their ``slots`` (int64 ``[n]``)."""
         self.flush()
-        at, direct = self._direct_at(ids, tags) if ids.numel() else (None, False)
-        if direct is not False:
-            mine = slice(None) if direct is True else direct
-            put = at[mine]
-            if bool((put < 0).any()):
-                raise ValueError("an id outside its bounded table's range cannot be inserted")
-            self._direct.index_copy_(0, put, slots[mine].to(torch.int32))
-            self.direct_size += put.numel()
-            if direct is True:
-                return
-            rest = (~direct).nonzero().reshape(-1)
-            ids, slots, tags = ids.index_select(0, rest), slots.index_select(0, rest), tags.index_select(0, rest)
+        ids, slots, tags = self._insert_direct(ids, slots, tags)
         n = ids.numel()
         if not n:
             return

@@ -416,16 +416,16 @@ class SparseTables:
 
     def _look_ahead(self, parts: list[tuple[RowTable, torch.Tensor]], reply: replies.PullReply | None = None) -> tuple:
         """A prefetch read before the round it waits for (into ``reply``'s bytes): ``(slots, rows, rounds applied so
-        far)``; ids that are not rows read as their initial values already (computed while the worker computes)."""
+        far, the round each row was last pushed)``; ids that are not rows read as their initial values already."""
         found, out = self.find(parts), None if reply is None else reply.out()
-        return found, fused.read_rows([t for t, _ in parts], [i for _, i in parts], found, out), self._applied
+        return found, fused.read_rows(*zip(*parts), found, out), self._applied, fused.touched_of(parts, found)
 
     def _after_round(self, parts: list[tuple[RowTable, torch.Tensor]], early: tuple) -> list[torch.Tensor]:
         """The slots of a prefetch's ids now, from its read ``early`` before the round it waited for: as they
         were if no round ran since; if exactly one round ran and evicted nothing, those found keep their slots
         (a slot is freed only by eviction) and those not found are looked for among the round's new rows;
         otherwise looked up again."""
-        found, _, applied = early
+        found, _, applied, _ = early
         if applied == self._applied:
             return found
         if self._made is not None and self._made[0] == applied + 1 == self._applied and not self._made[4]:
@@ -446,7 +446,7 @@ class SparseTables:
         else:  # a prefetch: the rows of ids that are rows now are read again, the others kept
             found = self._after_round(parts, early)
             rows = early[1] if early[2] == self._applied else \
-                fused.reread_rows(tables, ids, early[0], found, early[1])
+                fused.reread_rows(tables, ids, early[0], found, early[1], early[3])
             if out is not None and rows is not early[1]:
                 rows = [into.copy_(now) for into, now in zip(out, rows)]
         if reply is not None:

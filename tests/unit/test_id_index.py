@@ -132,3 +132,19 @@ def test_direct_tags_beside_hashed_ones_match_a_dict_through_inserts_and_removal
         assert len(index) == len(oracle)
     with pytest.raises(ValueError, match="outside its bounded table's range"):
         index.insert(torch.tensor([50]), torch.tensor([0]), 1)
+
+
+def test_keys_of_direct_tags_never_wait_for_a_flush():
+    """``insert_later`` puts keys of direct tags in at once and holds the others; ``find_direct`` answers the direct
+    ones without flushing them, and refuses keys of hashed tags."""
+    index = IdIndex(capacity=16)
+    index.make_direct(2, 10)
+    index.insert_later(torch.tensor([4, 9, 123]), torch.tensor([0, 1, 2]), torch.tensor([2, 2, 0]))
+    assert index.pending and len(index) == 3
+    assert index.direct_keys(torch.tensor([2, 0, 2])).tolist() == [True, False, True]
+    assert index.direct_keys(2) is True and index.direct_keys(0) is False
+    assert index.find_direct(torch.tensor([9, 4, 5]), 2).tolist() == [1, 0, -1]
+    assert index.pending  # the hashed key still waits
+    with pytest.raises(ValueError, match="direct tags only"):
+        index.find_direct(torch.tensor([123]), 0)
+    assert index.find(torch.tensor([123, 4]), torch.tensor([0, 2])).tolist() == [2, 0] and not index.pending

@@ -76,11 +76,13 @@ def test_a_round_after_its_pulls_reuses_their_slots_and_gives_the_same_rows():
         assert torch.equal(with_pulls._read([(got, probe)], "x")[0], without._read([(want, probe)], "x")[0])
 
 
-def _mixed(names) -> SparseTables:
-    """A shard holding the tables ``names`` of _MIXED, declared as the shard declares them (shared slabs)."""
+def _mixed(names, bounded=()) -> SparseTables:
+    """A shard holding the tables ``names`` of _MIXED, declared as the shard declares them (shared slabs); those in
+    ``bounded`` with 40 rows (ids in [0, 40): their slots in direct arrays of the index)."""
     tables = SparseTables(_Store())
     for name in names:
         dim, optimizer, hyper, kw = _MIXED[name]
+        kw = {**kw, "num_embeddings": 40} if name in bounded else kw
         spec = TableSpec(name=name, embedding_dim=dim, optimizer=optimizer, hyperparams=hyper, **kw)
         tables.tables[name] = tables._new_table(spec, 1 << 40)
     return tables
@@ -137,14 +139,16 @@ def test_tables_sharing_a_slab_train_as_each_table_alone_bit_for_bit():
     assert len(together.index) == sum(t.rows for t in together.tables.values())
 
 
-@pytest.mark.parametrize("crude_mix", [False, True])
-def test_a_lookup_before_a_round_settles_to_the_lookup_after_it(monkeypatch, crude_mix):
+@pytest.mark.parametrize("crude_mix,bounded", [(False, ()), (True, ()), (False, ("a", "c")), (True, ("a", "c")),
+                                               (False, ("a", "e", "c", "d"))])
+def test_a_lookup_before_a_round_settles_to_the_lookup_after_it(monkeypatch, crude_mix, bounded):
     """A prefetch reads its ids before the round it waits for; settled after that round (new rows found among
-    the round's, rows read again, evictions looked up again) it equals a pull made after the round."""
+    the round's or, for bounded tables, in their direct arrays; only rows moved or written since read again;
+    evictions looked up again) it equals a pull made after the round."""
     if crude_mix:  # most keys share their mix with others: the exact comparison and the index decide
         from shardps.server.sparse.index import IdIndex
         monkeypatch.setattr(IdIndex, "keys_mix", staticmethod(lambda ids, tags: (ids + tags) & 3))
-    tables = _mixed(["a", "e", "c", "d"])
+    tables = _mixed(["a", "e", "c", "d"], bounded)
     g = torch.Generator().manual_seed(9)
     paths = set()
     for number in range(8):
