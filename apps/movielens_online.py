@@ -74,7 +74,8 @@ class OnlineConfig:
             come back over months, a MovieLens user rates in a few sessions.
         plot: a PNG file for the progressive RMSE curve and the rows held (empty: none).
         serve: run ``shardps serve`` beside the job (refreshed every ``serve_period`` seconds, queried at
-            ``serve_qps``, at ``serve --nice serve_nice``) and report its freshness
+            ``serve_qps``, at ``serve --nice serve_nice`` or ``--realtime serve_realtime``, the query client at
+            ``serve_client_nice`` or ``serve_client_realtime``) and report its freshness
             (``shardps.apps.online_serving``).
 
     Raises:
@@ -104,6 +105,8 @@ class OnlineConfig:
     serve_qps: float = 200.0
     serve_nice: int = 0
     serve_client_nice: int = 0
+    serve_realtime: int = 0
+    serve_client_realtime: int = 0
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
@@ -113,9 +116,11 @@ class OnlineConfig:
                 (self.item_ttl_days >= 0 or self.item_ttl_days == -1)):
             raise ValueError("--rate and --max-wait must be > 0, --limit, --ttl-days and --item-ttl-days >= 0")
         if not (self.serve_period >= 0.05 and self.serve_qps >= 0 and -20 <= self.serve_nice <= 19 and
-                -20 <= self.serve_client_nice <= 19):
-            raise ValueError("--serve-period must be >= 0.05 seconds, --serve-qps >= 0 and --serve-nice and "
-                             "--serve-client-nice in [-20, 19]")
+                -20 <= self.serve_client_nice <= 19 and 0 <= self.serve_realtime <= 99 and
+                0 <= self.serve_client_realtime <= 99):
+            raise ValueError("--serve-period must be >= 0.05 seconds, --serve-qps >= 0, --serve-nice and "
+                             "--serve-client-nice in [-20, 19] and --serve-realtime and --serve-client-realtime "
+                             "in [0, 99]")
 
 
 def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -382,6 +387,8 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
                 served = stack.enter_context(Served(servers, source.partition, period=config.serve_period,
                                                     qps=config.serve_qps, nice=config.serve_nice,
                                                     client_nice=config.serve_client_nice,
+                                                    realtime=config.serve_realtime,
+                                                    client_realtime=config.serve_client_realtime,
                                                     freshness_redis=url))
             producer.start()
             errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()

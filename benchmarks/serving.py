@@ -1,8 +1,8 @@
 """A serving replica under training load: query latency, and what the replica costs training.
 
     python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
-                                 [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both] [--serve-nice -10]
-                                 [--client-nice 0]
+                                 [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both] [--serve-realtime 10]
+                                 [--client-realtime 10] [--serve-nice -10] [--client-nice 0]
 
 Part 1, what the replica costs training.
 
@@ -12,12 +12,15 @@ ratings in random batches of 256 for ``--seconds`` seconds, as fast as it can, w
 interleaved ``--repeats`` times:
 
 - ``alone``: training only (its steps/s);
-- ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s, ``--nice``
-  ``--serve-nice``: -10 by default, so that queries run before training's work on the shared cores) and a
-  client process of its own sending, at ``--qps`` queries per second in total, one ``Lookup`` of 2,000 user ids
-  and one ``Score`` of a user against 100 items alternately, each timed from send to answer. The client runs at
-  ``--client-nice`` (default 0: its own wait for a core on the saturated machine counts in what it measures;
-  at the replica's value it does not, as for callers on other hosts).
+- ``served``: the same training with ``shardps serve`` subscribed (``--period 0.5``, dense every 5 s,
+  ``--realtime`` ``--serve-realtime``: SCHED_FIFO priority 10 by default, so that a query's threads take a core
+  from training's work at once; ``--serve-realtime 0`` runs it at ``--nice`` ``--serve-nice`` instead, -10 by
+  default) and a client process of its own sending, at ``--qps`` queries per second in total, one ``Lookup`` of
+  2,000 user ids and one ``Score`` of a user against 100 items alternately, each timed from send to answer. The
+  client runs at the real-time priority ``--client-realtime`` (default 10: its own wait for a core on the
+  saturated machine stays out of what it measures, as for callers on other hosts; ``0``: at ``--client-nice``
+  instead, default 0, where that wait counts). A user who may not take a real-time priority (CAP_SYS_NICE) gets
+  the nice values instead, said at the start.
 
 Reported per run: training steps/s; per query kind p50/p99 latency (ms) and the answers' count (every query must
 be answered: a failed one is counted); for ``served`` also the replica's delta bytes and states. The issue's
@@ -28,7 +31,7 @@ machine's cores.
 
 Part 2, freshness during the online MovieLens job (``shardps train movielens --online --serve``, at ``--rate``
 events per second, ``apps/online_serving.py``): the replica refreshes every 0.5 s while the client queries it at
-``--qps`` (at ``--serve-nice`` too); per streamed event, the seconds from its entry into the broker to the first replica state holding it
+``--qps`` (at the priorities above); per streamed event, the seconds from its entry into the broker to the first replica state holding it
 (p50, p99, histogram; goals p50 <= 1 s, p99 <= 2 s); the deltas' bytes on the wire against the least bytes of
 the rows they moved (goal <= 1.1x); whether, once the stream is trained, the replica equals the export exactly.
 """
@@ -102,13 +105,14 @@ def run(kind: str, args, out_dir: str) -> dict:
         serve = None
         try:
             if kind == "served":
-                serve, address, _ = start_serve(cluster.servers, period=0.5, nice=args.serve_nice)
+                serve, address, _ = start_serve(cluster.servers, period=0.5, realtime=args.serve_realtime,
+                                                nice=0 if args.serve_realtime else args.serve_nice)
             out = os.path.join(out_dir, f"{kind}.json")
             trainer = ctx.Process(target=_train, args=(cluster.servers, str(args.data_dir), args.seconds, out))
             trainer.start()
             queries = None
             if serve is not None:
-                load = QueryLoad(address, args.qps, nice=args.client_nice).start()
+                load = QueryLoad(address, args.qps, nice=args.client_nice, realtime=args.client_realtime).start()
                 trainer.join(args.seconds + 120)
                 queries = load.stop()
             trainer.join(args.seconds + 120)
@@ -130,8 +134,9 @@ def online(args) -> dict:
     from shardps.apps.movielens_online import OnlineConfig, run_online
 
     config = OnlineConfig(data_dir=str(args.data_dir), rate=args.rate, limit=args.limit, serve=True,
-                          serve_qps=args.qps, warm_epochs=args.warm_epochs, serve_nice=args.serve_nice,
-                          serve_client_nice=args.client_nice)
+                          serve_qps=args.qps, warm_epochs=args.warm_epochs,
+                          serve_nice=0 if args.serve_realtime else args.serve_nice, serve_client_nice=args.client_nice,
+                          serve_realtime=args.serve_realtime, serve_client_realtime=args.client_realtime)
     report = run_online(config, say=lambda text: print(text, flush=True))
     return {k: report[k] for k in ("events", "events_per_s", "latency_p50_s", "latency_p99_s", "progressive_rmse",
                                    "gain_vs_baseline", "serving")} | {"rate": args.rate}
@@ -168,10 +173,18 @@ def part_one(args) -> dict:
 
 def may_lower_nice(nice: int) -> bool:
     """Whether a process of this user may set its nice value to ``nice`` (tried in a child process)."""
+    return _may(f"os.setpriority(os.PRIO_PROCESS, 0, {nice})")
+
+
+def may_take_realtime(priority: int) -> bool:
+    """Whether a process of this user may run under ``SCHED_FIFO`` at ``priority`` (tried in a child process)."""
+    return _may(f"os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param({priority}))")
+
+
+def _may(statement: str) -> bool:
     import subprocess
 
-    return subprocess.run([sys.executable, "-c", f"import os; os.setpriority(os.PRIO_PROCESS, 0, {nice})"],
-                          capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", f"import os; {statement}"], capture_output=True).returncode == 0
 
 
 def main() -> None:
@@ -191,7 +204,18 @@ def main() -> None:
     p.add_argument("--client-nice", type=int, default=0,
                    help="the query client's nice value (default 0; the replica's keeps the client's own wait for a "
                         "core out of the latency it measures)")
+    p.add_argument("--serve-realtime", type=int, default=10,
+                   help="the replica's `shardps serve --realtime` (default 10: its queries take a core from training "
+                        "at once; 0: off, --serve-nice instead; 0 where this user may not take a real-time priority)")
+    p.add_argument("--client-realtime", type=int, default=10,
+                   help="the query client's SCHED_FIFO priority (default 10: its own wait for a core stays out of "
+                        "what it measures, as for a caller on another host; 0: off, --client-nice instead)")
     args = p.parse_args()
+    for flag in ("serve_realtime", "client_realtime"):
+        if getattr(args, flag) and not may_take_realtime(getattr(args, flag)):
+            print(f"this user may not take a real-time priority (CAP_SYS_NICE): --{flag.replace('_', '-')} 0, not "
+                  f"{getattr(args, flag)}", flush=True)
+            setattr(args, flag, 0)
     for flag in ("serve_nice", "client_nice"):
         if getattr(args, flag) < 0 and not may_lower_nice(getattr(args, flag)):
             print(f"this user may not lower a nice value (CAP_SYS_NICE): --{flag.replace('_', '-')} 0, not "
@@ -211,7 +235,8 @@ def main() -> None:
               f"{fresh['equals_export']['tables'] and fresh['equals_export']['score']}; lookup p99 "
               f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
     emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "serve_nice": args.serve_nice,
-          "client_nice": args.client_nice, **figures, "machine": machine()}, args.json)
+          "client_nice": args.client_nice, "serve_realtime": args.serve_realtime,
+          "client_realtime": args.client_realtime, **figures, "machine": machine()}, args.json)
 
 
 if __name__ == "__main__":

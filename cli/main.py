@@ -217,6 +217,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--serve-client-nice", type=int, default=0,
                    help="--online --serve: the query client's nice value (default 0; the replica's value keeps the "
                         "client's own wait for a core out of the latency it measures on shared cores)")
+    m.add_argument("--serve-realtime", type=int, default=0,
+                   help="--online --serve: the replica's `shardps serve --realtime` (default 0: off; a SCHED_FIFO "
+                        "priority 1-99 lets its queries take a core from training at once; needs CAP_SYS_NICE)")
+    m.add_argument("--serve-client-realtime", type=int, default=0,
+                   help="--online --serve: the query client's SCHED_FIFO priority (default 0: off; keeps its own "
+                        "wait for a core out of what it measures, as for a caller on another host)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     serve_cli.add_command(sub, _servers)
@@ -310,7 +316,8 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
                           seed=args.seed, plot=args.plot, ttl_days=args.ttl_days,
                           item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days,
                           serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps,
-                          serve_nice=args.serve_nice, serve_client_nice=args.serve_client_nice)
+                          serve_nice=args.serve_nice, serve_client_nice=args.serve_client_nice,
+                          serve_realtime=args.serve_realtime, serve_client_realtime=args.serve_client_realtime)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:

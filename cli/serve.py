@@ -1,7 +1,8 @@
 """``shardps serve``: a serving replica of a training job's tables, refreshed by touched-row deltas.
 
     shardps serve --servers HOST:PORT,... --tables user,item,user_bias,item_bias [--port 0] [--period 0.5]
-                  [--dense-every 5] [--metrics-port -1] [--threads 1] [--nice 0] [--model MODULE:CALLABLE]
+                  [--dense-every 5] [--metrics-port -1] [--threads 1] [--nice 0 | --realtime 0]
+                  [--model MODULE:CALLABLE]
                   [--freshness-redis URL]
                   [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--auth-token-file FILE] [--health-port -1]
                   [--shards-tls-ca FILE [--shards-tls-cert FILE --shards-tls-key FILE]]
@@ -34,7 +35,7 @@ import grpc
 from shardps.common.security import INSECURE_FLAG
 from shardps.server.auth import HANDLER_KINDS, HEALTH_PREFIX, BearerTokenInterceptor
 
-__all__ = ["TokenCheck", "add_command", "own_security", "run", "set_priority", "shards_security"]
+__all__ = ["TokenCheck", "add_command", "own_security", "run", "shards_security"]
 
 log = logging.getLogger("shardps.serve")
 
@@ -61,6 +62,10 @@ def add_command(sub, servers_type) -> None:
                         "unchanged). On a host shared with training, a negative value lets queries run before "
                         "training's work (a lower value needs CAP_SYS_NICE: root, or the container's "
                         "capabilities.add: [SYS_NICE])")
+    s.add_argument("--realtime", type=int, default=0, metavar="PRIORITY",
+                   help="run the replica under the real-time policy SCHED_FIFO at this priority, 1 to 99 (default 0: "
+                        "off). On a host whose cores training keeps busy, a query's threads then take a core at "
+                        "once instead of waiting their turn; needs CAP_SYS_NICE, --threads 1 and no --nice")
     s.add_argument("--model", default="", metavar="MODULE:CALLABLE",
                    help="a zero-argument callable returning the job's model (with its sharded tables), e.g. "
                         "shardps.apps.movielens:serving_model: Predict runs it, made local from each state "
@@ -209,47 +214,25 @@ def _predictor(args: argparse.Namespace, tables: list[str]):
     return predictor
 
 
-def set_priority(nice: int) -> None:
-    """Give every thread of this process the scheduling priority ``nice`` (-20 first .. 19 last, as ``nice(1)``;
-    threads started later inherit it). A query's answer waits for its threads to be scheduled: on a host whose
-    cores training keeps busy that wait, not the lookup, is most of a slow query's time (2 cores, 2 shards and a
-    trainer: a 2,000-id lookup's p99 5.8 ms at nice 0, 4.5 ms at -10, docs/serving.md).
+def set_scheduling(args: argparse.Namespace) -> None:
+    """The replica's priority: ``--nice`` or ``--realtime`` (``shardps.worker.serving.priority``), before any
+    thread but this one starts, so that every later thread inherits it.
 
     Raises:
-        ValueError: ``nice`` outside [-20, 19], or lower than the process may set (the message names
-            CAP_SYS_NICE and RLIMIT_NICE); every thread keeps its priority then.
+        ValueError: both given; ``--realtime`` with ``--threads`` > 1 (torch's worker threads spin while they
+            wait, which at a real-time priority takes a core from training); a value out of range or refused.
     """
-    import os
+    from shardps.worker.serving.priority import set_nice, set_realtime
 
-    if not -20 <= nice <= 19:
-        raise ValueError(f"--nice must be in [-20, 19], got {nice}")
-    threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    before = {}
-    for thread in threads:
-        try:
-            before[thread] = os.getpriority(os.PRIO_PROCESS, thread)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
-    # the threads to lower first: the one change that may be refused (raising a nice value never is), and the
-    # same floor holds for every thread of a process, so a refusal comes before anything changed
-    done: list[tuple[int, int]] = []  # (thread, its priority before), restored on a refusal
-    try:
-        for thread in sorted(before, key=lambda t: before[t] <= nice):  # Linux: a priority is a thread's
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread, nice)
-            except ProcessLookupError:
-                continue
-            done.append((thread, before[thread]))
-    except PermissionError:
-        for thread, old in reversed(done):
-            try:
-                os.setpriority(os.PRIO_PROCESS, thread, old)
-            except OSError:  # ended meanwhile
-                pass
-        raise ValueError(f"--nice {nice}: this process may not lower its nice value (needs CAP_SYS_NICE: run as "
-                         "root, or add the capability SYS_NICE to the container; or a RLIMIT_NICE, `ulimit -e`, "
-                         "that allows it); leave --nice at 0, or start the training processes with a higher nice "
-                         "value instead") from None
+    if args.realtime and args.nice:
+        raise ValueError("--realtime and --nice: give one (a nice value does not weigh real-time threads)")
+    if args.realtime and args.threads > 1:
+        raise ValueError(f"--realtime with --threads {args.threads}: torch's worker threads spin while they wait, "
+                         "which at a real-time priority takes a core from training; use --threads 1")
+    if args.realtime:
+        set_realtime(args.realtime)
+    elif args.nice:
+        set_nice(args.nice)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -270,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if args.nice:
-        set_priority(args.nice)
+    set_scheduling(args)
     torch.set_num_threads(args.threads)  # a 2,000-id lookup takes 0.1 ms; a second thread only adds its wake-ups
     tables = [t for t in args.tables.split(",") if t]
     credentials, interceptors = own_security(args)

@@ -135,21 +135,28 @@ def test_no_read_sees_a_half_applied_delta(tmp_path):
         assert replica.state.rounds["user"] == [30, 30] and len(set(seen)) > 5, (replica.state.rounds, len(set(seen)))
 
 
-def _start_serve(servers: str):
+def _start_serve(servers: str, realtime: bool = False):
+    """``shardps serve`` at ``--nice 5``, or at ``--realtime 5``: every thread of it checked to run so."""
     import subprocess
     import sys
 
+    priority = ("--realtime", "5") if realtime else ("--nice", "5")
     proc = subprocess.Popen([sys.executable, "-m", "shardps.cli.main", "serve", "--servers", servers, "--tables",
-                             "user,item,user_bias,item_bias", "--period", "0.2", "--dense-every", "0", "--nice", "5"],
+                             "user,item,user_bias,item_bias", "--period", "0.2", "--dense-every", "0", *priority],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = iter(proc.stdout.readline, "")
     from shardps.apps.processes import wait_for
 
     address = wait_for(lines, "serving on ")
     wait_for(lines, "serving tables ")
-    nice = {int(open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
-            for t in os.listdir(f"/proc/{proc.pid}/task")}
-    assert nice == {5}, f"shardps serve --nice 5: its threads run at nice {nice}"
+    stats = [open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()
+             for t in os.listdir(f"/proc/{proc.pid}/task")]
+    if realtime:  # proc(5): rt_priority and policy (1: SCHED_FIFO) are fields 40 and 41
+        policies = {(int(f[37]), int(f[38])) for f in stats}
+        assert policies == {(5, 1)}, f"shardps serve --realtime 5: its threads run at (priority, policy) {policies}"
+    else:
+        nice = {int(f[16]) for f in stats}
+        assert nice == {5}, f"shardps serve --nice 5: its threads run at nice {nice}"
     return proc, address
 
 
@@ -228,7 +235,7 @@ def test_shardps_serve_answers_lookups_and_scores_as_the_export_and_catches_up_a
                 if round_ == 0:  # SIGKILL the replica and start it again: it reads the tables whole and goes on
                     proc.kill()
                     proc.wait(10)
-                    proc, address = _start_serve(shards.servers)
+                    proc, address = _start_serve(shards.servers, realtime=True)  # at a real-time priority
                     channel = grpc.insecure_channel(address)
                     stub = pb_grpc.ServingStub(channel)
         finally:

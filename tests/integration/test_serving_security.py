@@ -140,6 +140,9 @@ def test_bad_settings_refuse_to_start_naming_the_flag(pki, tmp_path):
                                          pki.path("client.pem")).stderr
     assert "--shards-tls-ca" in refused("--shards-tls-ca", str(tmp_path / "no-ca.pem")).stderr
     assert "--nice must be in [-20, 19]" in refused("--nice", "25").stderr
+    assert "--realtime must be in [1, 99]" in refused("--realtime", "100").stderr
+    assert "--realtime and --nice: give one" in refused("--realtime", "5", "--nice", "-5").stderr
+    assert "--threads 1" in refused("--realtime", "5", "--threads", "2").stderr
     assert "--freshness-redis 'http://broker:6379'" in refused("--freshness-redis", "http://broker:6379").stderr
     # A token over plaintext on a host that is not loopback (0.0.0.0: every interface) is refused at start.
     plain = refused("--host", "0.0.0.0", "--auth-token-file", pki.path("token")).stderr
