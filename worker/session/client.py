@@ -19,7 +19,7 @@ from shardps.common.security import ChannelSecurity
 from shardps.common.transport import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from shardps.worker.session.exit import DaemonPool
 from shardps.worker.session.relay import StreamRelay
-from shardps.worker.session.retry import RetryPolicy, retry
+from shardps.worker.session.retry import RETRYABLE, RetryPolicy, retry
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 
@@ -34,6 +34,9 @@ def _joined(frames):
     for frame in frames:
         yield b"".join(frame) if type(frame) is tuple else frame
 
+
+#: ``Reset`` is tried again after ABORTED too: the shard refuses it while a round or an Init is still in progress.
+RESET_RETRYABLE = RETRYABLE | {grpc.StatusCode.ABORTED}
 
 class ShardRpcError(RuntimeError):
     """A call to a shard failed; ``code`` is the ``grpc.StatusCode`` and ``details`` the shard's message."""
@@ -131,7 +134,8 @@ class ShardClient:
         """Wrap a gRPC error of call ``what`` with this shard's index and address."""
         return ShardRpcError(self.index, self.address, what, exc.code(), exc.details())
 
-    def _unary(self, what: str, fn, request, timeout: float | None = None, repeatable: bool = False):
+    def _unary(self, what: str, fn, request, timeout: float | None = None, repeatable: bool = False,
+               retry_on: frozenset = RETRYABLE):
         def attempt():
             try:
                 return fn(request, timeout=self.rpc_timeout if timeout is None else timeout)
@@ -141,7 +145,7 @@ class ShardClient:
         if not repeatable:
             return attempt()
         return retry(attempt, self.retry, f"{what} on shard {self.index} ({self.address})",
-                     lambda exc: getattr(exc, "code", None))
+                     lambda exc: getattr(exc, "code", None), retry_on)
 
     def join(self, request: pb.JoinRequest) -> pb.JoinReply:
         """Join (raises ShardRpcError, e.g. FAILED_PRECONDITION on a plan mismatch); retried."""
@@ -152,8 +156,10 @@ class ShardClient:
         return self._unary("leave", self.stub.Leave, pb.LeaveRequest(worker_id=worker_id, session=session), timeout)
 
     def reset(self, job_id: str = "") -> pb.ResetReply:
-        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise); retried."""
-        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id), repeatable=True)
+        """Drop the shard's job if it has no members (FAILED_PRECONDITION otherwise); retried, ABORTED too (a
+        round or an Init still in progress: the last members' work finishing)."""
+        return self._unary("reset", self.stub.Reset, pb.ResetRequest(job_id=job_id), repeatable=True,
+                           retry_on=RESET_RETRYABLE)
 
     def checkpoint(self) -> pb.CheckpointReply:
         """Make the shard write a checkpoint now; retried. FAILED_PRECONDITION without --checkpoint-dir."""
