@@ -40,8 +40,10 @@ def test_serving_benchmark_answers_every_query_while_training(tmp_path: Path) ->
         assert q["failed"] == 0 and q["answered"] > 10, q
         assert math.isfinite(q["p50_ms"]) and 0 < q["p50_ms"] <= q["p99_ms"], q
     assert result["failed"] == 0 and result["serve_nice"] in (-10, 0)  # -10 unless this user may not lower it
-    # the replica and the client at SCHED_FIFO 10 (the defaults), unless this user may not take it
-    assert result["serve_realtime"] == result["client_realtime"] == (10 if os.geteuid() == 0 else 0), result
+    # the replica and the client at SCHED_FIFO 10 (the defaults), unless this user may not take it (tried here)
+    allowed = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_FIFO, "
+                              "os.sched_param(10))"], capture_output=True).returncode == 0
+    assert result["serve_realtime"] == result["client_realtime"] == (10 if allowed else 0), result
     fresh = result["online"]["serving"]  # part 2: the online job's replica
     assert fresh["events"] == 3000 and fresh["not_visible"] == 0 and fresh["caught_up"]
     assert 0 < fresh["p50_s"] <= fresh["p99_s"] <= fresh["max_s"]
