@@ -75,7 +75,8 @@ class OnlineConfig:
         plot: a PNG file for the progressive RMSE curve and the rows held (empty: none).
         serve: run ``shardps serve`` beside the job (refreshed every ``serve_period`` seconds, queried at
             ``serve_qps``, at ``serve --nice serve_nice`` or ``--realtime serve_realtime``, the query client at
-            ``serve_client_nice`` or ``serve_client_realtime``) and report its freshness
+            ``serve_client_nice`` or ``serve_client_realtime``, its queries a call each or on one ``Query``
+            stream: ``serve_client_api`` ``"unary"`` or ``"stream"``) and report its freshness
             (``shardps.apps.online_serving``).
 
     Raises:
@@ -107,6 +108,7 @@ class OnlineConfig:
     serve_client_nice: int = 0
     serve_realtime: int = 0
     serve_client_realtime: int = 0
+    serve_client_api: str = "unary"
 
     def __post_init__(self) -> None:
         for name in ("shards", "warm", "warm_epochs", "batch_size", "dim"):
@@ -121,6 +123,8 @@ class OnlineConfig:
             raise ValueError("--serve-period must be >= 0.05 seconds, --serve-qps >= 0, --serve-nice and "
                              "--serve-client-nice in [-20, 19] and --serve-realtime and --serve-client-realtime "
                              "in [0, 99]")
+        if self.serve_client_api not in ("unary", "stream"):
+            raise ValueError(f"--serve-client-api must be unary or stream, got {self.serve_client_api!r}")
 
 
 def rating_tensors(events) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -389,7 +393,7 @@ def _train(config: OnlineConfig, cluster, url: str, warm, streamed, say) -> dict
                                                     client_nice=config.serve_client_nice,
                                                     realtime=config.serve_realtime,
                                                     client_realtime=config.serve_client_realtime,
-                                                    freshness_redis=url))
+                                                    client_api=config.serve_client_api, freshness_redis=url))
             producer.start()
             errors, latencies, curve, done, started = [], [], [], 0, time.monotonic()
             reader = ExactlyOnce(dist, source, config.batch_size, max_wait=config.max_wait)

@@ -3,6 +3,7 @@
     python benchmarks/serving.py [--json PATH] [--data-dir DIR] [--seconds 20] [--repeats 2] [--qps 200]
                                  [--rate 2000] [--limit 0] [--warm-epochs 5] [--part both] [--serve-realtime 10]
                                  [--client-realtime 10] [--serve-nice -10] [--client-nice 0]
+                                 [--client-api unary|stream|both]
 
 Part 1, what the replica costs training.
 
@@ -20,7 +21,10 @@ interleaved ``--repeats`` times:
   client runs at the real-time priority ``--client-realtime`` (default 10: its own wait for a core on the
   saturated machine stays out of what it measures, as for callers on other hosts; ``0``: at ``--client-nice``
   instead, default 0, where that wait counts). A user who may not take a real-time priority (CAP_SYS_NICE) gets
-  the nice values instead, said at the start.
+  the nice values instead, said at the start. ``--client-api``: a ``Lookup`` or ``Score`` call per query
+  (``unary``, the default), every query on one ``Query`` stream (``stream``), or, in part 1, a served run of
+  each in every repeat (``both``: the figures per API under ``by_api``, the headline ones unary's; part 2 then
+  on a stream).
 
 Reported per run: training steps/s; per query kind p50/p99 latency (ms) and the answers' count (every query must
 be answered: a failed one is counted); for ``served`` also the replica's delta bytes and states. The issue's
@@ -94,8 +98,9 @@ def _warm(servers: str, data_dir: str) -> None:
     _train(servers, data_dir, 1.0, os.devnull)
 
 
-def run(kind: str, args, out_dir: str) -> dict:
-    """One run: training alone, or served (with ``shardps serve`` and the client)."""
+def run(kind: str, args, out_dir: str, api: str = "unary") -> dict:
+    """One run: training alone, or served (with ``shardps serve`` and the client sending its queries by ``api``:
+    ``"unary"``, a call each, or ``"stream"``, on one ``Query`` stream)."""
     from shardps.apps.online_serving import QueryLoad, start_serve
     from shardps.worker.cluster import LocalCluster
 
@@ -112,7 +117,8 @@ def run(kind: str, args, out_dir: str) -> dict:
             trainer.start()
             queries = None
             if serve is not None:
-                load = QueryLoad(address, args.qps, nice=args.client_nice, realtime=args.client_realtime).start()
+                load = QueryLoad(address, args.qps, nice=args.client_nice, realtime=args.client_realtime,
+                                 api=api).start()
                 trainer.join(args.seconds + 120)
                 queries = load.stop()
             trainer.join(args.seconds + 120)
@@ -120,7 +126,7 @@ def run(kind: str, args, out_dir: str) -> dict:
                 raise RuntimeError(f"the trainer failed (exit {trainer.exitcode})")
             result = {"kind": kind, **json.loads(Path(out).read_text())}
             if queries is not None:
-                result["queries"] = queries
+                result.update(queries=queries, api=api)
         finally:
             if serve is not None:
                 serve.terminate()
@@ -136,39 +142,45 @@ def online(args) -> dict:
     config = OnlineConfig(data_dir=str(args.data_dir), rate=args.rate, limit=args.limit, serve=True,
                           serve_qps=args.qps, warm_epochs=args.warm_epochs,
                           serve_nice=0 if args.serve_realtime else args.serve_nice, serve_client_nice=args.client_nice,
-                          serve_realtime=args.serve_realtime, serve_client_realtime=args.client_realtime)
+                          serve_realtime=args.serve_realtime, serve_client_realtime=args.client_realtime,
+                          serve_client_api="unary" if args.client_api == "unary" else "stream")
     report = run_online(config, say=lambda text: print(text, flush=True))
     return {k: report[k] for k in ("events", "events_per_s", "latency_p50_s", "latency_p99_s", "progressive_rmse",
                                    "gain_vs_baseline", "serving")} | {"rate": args.rate}
 
 
 def part_one(args) -> dict:
-    """Part 1: the interleaved (alone, served) runs; prints their table and the goals, returns their figures."""
+    """Part 1: the interleaved (alone, served) runs; prints their table and the goals, returns their figures
+    (with ``--client-api both``, a served run per API in each repeat; the headline figures are unary's)."""
+    apis = ["unary", "stream"] if args.client_api == "both" else [args.client_api]
     runs = []
     with tempfile.TemporaryDirectory(prefix="shardps-serving-") as tmp:
         for repeat in range(args.repeats):
-            for kind in ("alone", "served"):
-                runs.append({**run(kind, args, tmp), "repeat": repeat})
-                print(f"repeat {repeat + 1} {kind}: {runs[-1]['steps_per_s']:.1f} steps/s"
+            for kind, api in [("alone", "")] + [("served", api) for api in apis]:
+                runs.append({**run(kind, args, tmp, api), "repeat": repeat})
+                print(f"repeat {repeat + 1} {kind} {api}: {runs[-1]['steps_per_s']:.1f} steps/s"
                       + (f", queries {runs[-1]['queries']}" if "queries" in runs[-1] else ""), flush=True)
     alone = statistics.median(r["steps_per_s"] for r in runs if r["kind"] == "alone")
-    served = [r for r in runs if r["kind"] == "served"]
-    trained = statistics.median(r["steps_per_s"] for r in served)
-    lookup99 = statistics.median(r["queries"]["lookup"]["p99_ms"] for r in served)
-    score99 = statistics.median(r["queries"]["score"]["p99_ms"] for r in served)
-    failed = sum(r["queries"][k]["failed"] for r in served for k in ("lookup", "score"))
-    rows = [[r["repeat"] + 1, r["kind"], f"{r['steps_per_s']:.1f}",
+    rows = [[r["repeat"] + 1, f"{r['kind']} {r.get('api', '')}".strip(), f"{r['steps_per_s']:.1f}",
              f"{r['queries']['lookup']['p50_ms']:.2f} / {r['queries']['lookup']['p99_ms']:.2f}" if "queries" in r
              else "", f"{r['queries']['score']['p50_ms']:.2f} / {r['queries']['score']['p99_ms']:.2f}"
              if "queries" in r else ""] for r in runs]
     print(table(rows, ["repeat", "run", "training steps/s", "lookup 2,000 ids p50 / p99 ms",
                        "score 100 items p50 / p99 ms"]))
-    slowdown = 1 - trained / alone
-    print(f"training with the replica subscribed: {trained:.1f} steps/s against {alone:.1f} alone ({100 * slowdown:.0f}% "
-          f"slower; goal at most 20%); lookup p99 {lookup99:.2f} ms (goal 5), score p99 {score99:.2f} ms (goal 10) "
-          f"at {args.qps:g} queries/s; {failed} queries failed")
-    return {"runs": runs, "alone_steps_per_s": alone, "served_steps_per_s": trained, "slowdown": slowdown,
-            "lookup_p99_ms": lookup99, "score_p99_ms": score99, "failed": failed}
+    by_api = {}
+    for api in apis:
+        served = [r for r in runs if r["kind"] == "served" and r["api"] == api]
+        trained = statistics.median(r["steps_per_s"] for r in served)
+        by_api[api] = figures = {
+            "served_steps_per_s": trained, "slowdown": 1 - trained / alone,
+            "lookup_p99_ms": statistics.median(r["queries"]["lookup"]["p99_ms"] for r in served),
+            "score_p99_ms": statistics.median(r["queries"]["score"]["p99_ms"] for r in served),
+            "failed": sum(r["queries"][k]["failed"] for r in served for k in ("lookup", "score"))}
+        print(f"training with the replica subscribed ({api} queries): {trained:.1f} steps/s against {alone:.1f} "
+              f"alone ({100 * figures['slowdown']:.0f}% slower; goal at most 20%); lookup p99 "
+              f"{figures['lookup_p99_ms']:.2f} ms (goal 5), score p99 {figures['score_p99_ms']:.2f} ms (goal 10) at "
+              f"{args.qps:g} queries/s; {figures['failed']} queries failed")
+    return {"runs": runs, "alone_steps_per_s": alone, **by_api[apis[0]], "by_api": by_api}
 
 
 def may_lower_nice(nice: int) -> bool:
@@ -210,6 +222,10 @@ def main() -> None:
     p.add_argument("--client-realtime", type=int, default=10,
                    help="the query client's SCHED_FIFO priority (default 10: its own wait for a core stays out of "
                         "what it measures, as for a caller on another host; 0: off, --client-nice instead)")
+    p.add_argument("--client-api", choices=("unary", "stream", "both"), default="unary",
+                   help="how the client sends its queries: unary (default), a Lookup or Score call each; stream, "
+                        "all on one Query stream; both: part 1 runs a served run of each in every repeat "
+                        "(part 2 then on a stream)")
     args = p.parse_args()
     for flag in ("serve_realtime", "client_realtime"):
         if getattr(args, flag) and not may_take_realtime(getattr(args, flag)):
@@ -236,7 +252,7 @@ def main() -> None:
               f"{fresh['queries']['lookup']['p99_ms']:.2f} ms, score p99 {fresh['queries']['score']['p99_ms']:.2f} ms")
     emit({"seconds": args.seconds, "repeats": args.repeats, "qps": args.qps, "serve_nice": args.serve_nice,
           "client_nice": args.client_nice, "serve_realtime": args.serve_realtime,
-          "client_realtime": args.client_realtime, **figures, "machine": machine()}, args.json)
+          "client_realtime": args.client_realtime, "client_api": args.client_api, **figures, "machine": machine()}, args.json)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--serve-client-realtime", type=int, default=0,
                    help="--online --serve: the query client's SCHED_FIFO priority (default 0: off; keeps its own "
                         "wait for a core out of what it measures, as for a caller on another host)")
+    m.add_argument("--serve-client-api", choices=("unary", "stream"), default="unary",
+                   help="--online --serve: the query client sends a Lookup or Score call per query (unary, the "
+                        "default) or every query on one Query stream (stream: less CPU per query on both sides)")
     m.set_defaults(run=_train_movielens)
     operator_cli.add_commands(sub, _servers)
     serve_cli.add_command(sub, _servers)
@@ -317,7 +320,8 @@ def _train_movielens_online(args: argparse.Namespace) -> int:
                           item_ttl_days=-1.0 if args.item_ttl_days is None else args.item_ttl_days,
                           serve=args.serve, serve_period=args.serve_period, serve_qps=args.serve_qps,
                           serve_nice=args.serve_nice, serve_client_nice=args.serve_client_nice,
-                          serve_realtime=args.serve_realtime, serve_client_realtime=args.serve_client_realtime)
+                          serve_realtime=args.serve_realtime, serve_client_realtime=args.serve_client_realtime,
+                          serve_client_api=args.serve_client_api)
     try:
         report = run_online(config, say=_say)
     except FileNotFoundError as exc:

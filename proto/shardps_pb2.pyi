@@ -742,3 +742,31 @@ class StatesReply(_message.Message):
     delta_wire_bytes: int
     delta_payload_bytes: int
     def __init__(self, states: _Optional[_Iterable[_Union[VisibleState, _Mapping]]] = ..., delta_wire_bytes: _Optional[int] = ..., delta_payload_bytes: _Optional[int] = ...) -> None: ...
+
+class ServingQuery(_message.Message):
+    __slots__ = ("tag", "lookup", "score", "predict")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    lookup: LookupRequest
+    score: ScoreRequest
+    predict: PredictRequest
+    def __init__(self, tag: _Optional[int] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., predict: _Optional[_Union[PredictRequest, _Mapping]] = ...) -> None: ...
+
+class ServingAnswer(_message.Message):
+    __slots__ = ("tag", "lookup", "score", "predict", "code", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    lookup: LookupReply
+    score: ScoreReply
+    predict: PredictReply
+    code: int
+    error: str
+    def __init__(self, tag: _Optional[int] = ..., lookup: _Optional[_Union[LookupReply, _Mapping]] = ..., score: _Optional[_Union[ScoreReply, _Mapping]] = ..., predict: _Optional[_Union[PredictReply, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

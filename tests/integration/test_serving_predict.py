@@ -10,11 +10,16 @@ the replica serves ``--model shardps.apps.movielens:serving_model``, then stops.
 - bad requests get the codes the docs give: a feature with both or neither value fields, a shape that does
   not hold its elements, too many elements or a keyword ``forward`` does not take: INVALID_ARGUMENT naming the
   feature; a state without the dense parameters: UNAVAILABLE;
-- callers asking at once for the same state wait for one local model.
+- callers asking at once for the same state wait for one local model;
+- a ``Query`` stream answers Lookup, Score and Predict queries in order, tagged, equal to their own calls'
+  answers; a refused query (an unknown table, a bad feature, an empty query) gets its code and message in its
+  answer and the stream goes on; the queries are counted under their methods; a stream beyond the replica's
+  most (half its 8 threads) ends with RESOURCE_EXHAUSTED, and one closed makes room.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import urllib.request
@@ -74,6 +79,66 @@ def train(model: MF, dist: DistributedOptimizer, steps: int, g: torch.Generator)
         dist.step()
     for name in TABLES:
         dist.tables.settle(name)
+
+
+def check_query_stream(stub, users: torch.Tensor, candidates: torch.Tensor) -> None:
+    """A Query stream's answers against the calls' own (training has stopped and the replica caught up)."""
+    ids, items = torch.arange(100), torch.arange(1, 90)
+    lookup = pb.LookupRequest(table="item", ids=ids_bytes(ids))
+    score = pb.ScoreRequest(user=7, items=ids_bytes(items))
+    predict = pb.PredictRequest(features=[feature("users", users), feature("items", candidates)])
+    queries = [pb.ServingQuery(tag=10, lookup=lookup), pb.ServingQuery(tag=11, score=score),
+               pb.ServingQuery(tag=12, predict=predict),
+               pb.ServingQuery(tag=13, lookup=pb.LookupRequest(table="nope", ids=ids_bytes(ids))),
+               pb.ServingQuery(tag=14, predict=pb.PredictRequest(features=[feature("items", candidates)])),
+               pb.ServingQuery(tag=15),
+               pb.ServingQuery(tag=16, lookup=pb.LookupRequest(table="user", ids=b"\0" * 7)),
+               pb.ServingQuery(tag=17, lookup=lookup)]
+    answers = list(stub.Query(iter(queries), timeout=30))
+    assert [a.tag for a in answers] == list(range(10, 18))
+    ok = [answers[i] for i in (0, 1, 2, 7)]
+    assert all(a.code == 0 and not a.error for a in ok)
+    assert answers[0].lookup.rows == answers[7].lookup.rows == stub.Lookup(lookup, timeout=10).rows
+    assert answers[1].score.scores == stub.Score(score, timeout=10).scores
+    assert answers[2].predict.scores == stub.Predict(predict, timeout=10).scores
+    assert list(answers[2].predict.shape) == [users.numel()]
+    refused = {13: (grpc.StatusCode.NOT_FOUND, "'nope'"), 14: (grpc.StatusCode.INVALID_ARGUMENT, "users"),
+               15: (grpc.StatusCode.INVALID_ARGUMENT, "holds none"), 16: (grpc.StatusCode.INVALID_ARGUMENT, "int64")}
+    for a in answers[3:7]:
+        code, text = refused[a.tag]
+        assert a.code == code.value[0] and text in a.error and a.WhichOneof("answer") is None, (a.tag, a)
+
+    # open streams hold a thread each: the replica (8 threads) answers 4 at once and refuses a fifth
+    feeds = [queue.Queue() for _ in range(5)]
+
+    def fed(q: queue.Queue):
+        while (item := q.get(timeout=30)) is not None:
+            yield item
+
+    streams = []
+    try:
+        for q in feeds[:4]:
+            streams.append(stub.Query(fed(q), timeout=60))
+            q.put(pb.ServingQuery(tag=1, lookup=lookup))
+            assert next(streams[-1]).lookup.rows == answers[0].lookup.rows  # open and answering
+        fifth = stub.Query(fed(feeds[4]), timeout=30)
+        code, details = code_of(lambda: next(fifth))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "4 Query streams" in details, (code, details)
+        feeds[0].put(None)  # the first stream ends; a new one is answered
+        assert list(streams[0]) == []
+        deadline = time.monotonic() + 10
+        while True:  # the server lets the finished stream's slot go once its handler returns
+            again = stub.Query(iter([pb.ServingQuery(tag=2, score=score)]), timeout=30)
+            code, _ = code_of(lambda: list(again))
+            if code == grpc.StatusCode.OK or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert code == grpc.StatusCode.OK
+    finally:
+        for q in feeds:
+            q.put(None)
+        for s in streams:
+            s.cancel()
 
 
 def test_predict_equals_the_local_model_of_the_saved_state_and_score(tmp_path):
@@ -155,8 +220,10 @@ def test_predict_equals_the_local_model_of_the_saved_state_and_score(tmp_path):
                 decode_features([feature("users", torch.zeros(MAX_IDS + 1, dtype=torch.int64))], MAX_IDS)
             assert many.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'users'" in str(many.value)
 
+            check_query_stream(stub, users, candidates)
             with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as page:
                 text = page.read().decode()
+            assert 'shardps_serving_calls_total{code="NOT_FOUND",method="Lookup"}' in text  # from the stream
             assert 'shardps_serving_calls_total{code="OK",method="Predict"}' in text
             assert 'shardps_serving_calls_total{code="INVALID_ARGUMENT",method="Predict"}' in text
             assert 'shardps_serving_call_seconds_count{method="Predict"}' in text

@@ -83,6 +83,9 @@ def test_serve_with_tls_and_a_token_in_front_of_tls_and_token_shards(pki):
             reply = pb_grpc.ServingStub(trusted).Lookup(request, timeout=10)
             rows = torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).view(40, reply.dim)
             assert torch.equal(rows, want), "over mutual TLS with the token, the replica answers the shards' rows"
+            answers = list(pb_grpc.ServingStub(trusted).Query(iter([pb.ServingQuery(tag=3, lookup=request)]),
+                                                              timeout=10))
+            assert [a.tag for a in answers] == [3] and answers[0].lookup.rows == reply.rows  # a Query stream too
 
             # The token is checked as on the shards: none, or another one, is UNAUTHENTICATED before the handler.
             for token in (None, "another-token"):
@@ -90,6 +93,9 @@ def test_serve_with_tls_and_a_token_in_front_of_tls_and_token_shards(pki):
                 code, details = code_of(lambda: pb_grpc.ServingStub(channel).Lookup(request, timeout=10))
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code, details)
                 assert "--auth-token-file" in details and TOKEN not in details
+                code, _ = code_of(lambda: list(pb_grpc.ServingStub(channel).Query(
+                    iter([pb.ServingQuery(tag=1, lookup=request)]), timeout=10)))
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code)  # a stream is checked as a call
                 # health needs no token on the TLS port
                 assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10) \
                     .status == health_pb2.HealthCheckResponse.SERVING
