@@ -141,7 +141,8 @@ def _unary_queries(address: str, qps: float, lookups: list, scores: list, stop, 
 
 async def _stream_queries(address: str, qps: float, queries: list, stop, got: dict) -> None:
     """The same queries on one ``Query`` stream (grpc.aio: one thread), each answer awaited at most 5 s; a
-    refused query counts as failed under its code; a broken stream fails its query and is opened again."""
+    refused query counts as failed under its code, an answer of another query's tag as ``WRONG_TAG``; a broken
+    stream fails its query and is opened again."""
     import asyncio
 
     names = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -161,7 +162,9 @@ async def _stream_queries(address: str, qps: float, queries: list, stop, got: di
                 answer = await asyncio.wait_for(call.read(), 5)
                 if answer is grpc.aio.EOF:
                     raise ConnectionError("the replica ended the stream")
-                if answer.code:
+                if answer.tag != (k // 2) % REQUESTS:  # answers come in the queries' order: another is a bug
+                    _failed(got, kind, "WRONG_TAG")
+                elif answer.code:
                     _failed(got, kind, names.get(answer.code, str(answer.code)))
                 else:
                     _answered(got, kind, sent)
