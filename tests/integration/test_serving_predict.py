@@ -14,7 +14,8 @@ the replica serves ``--model shardps.apps.movielens:serving_model``, then stops.
 - a ``Query`` stream answers Lookup, Score and Predict queries in order, tagged, equal to their own calls'
   answers; a refused query (an unknown table, a bad feature, an empty query) gets its code and message in its
   answer and the stream goes on; the queries are counted under their methods; a stream beyond the replica's
-  most (half its 8 threads) ends with RESOURCE_EXHAUSTED, and one closed makes room.
+  most (half its 8 threads) ends with RESOURCE_EXHAUSTED (``shardps_serving_query_streams`` says 4), and one
+  closed makes room.
 """
 
 from __future__ import annotations
@@ -81,7 +82,14 @@ def train(model: MF, dist: DistributedOptimizer, steps: int, g: torch.Generator)
         dist.tables.settle(name)
 
 
-def check_query_stream(stub, users: torch.Tensor, candidates: torch.Tensor) -> None:
+def streams_open(metrics: str) -> float:
+    """``shardps_serving_query_streams`` on the replica's metrics page."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as page:
+        line = next(x for x in page.read().decode().splitlines() if x.startswith("shardps_serving_query_streams "))
+    return float(line.split()[1])
+
+
+def check_query_stream(stub, metrics: str, users: torch.Tensor, candidates: torch.Tensor) -> None:
     """A Query stream's answers against the calls' own (training has stopped and the replica caught up)."""
     ids, items = torch.arange(100), torch.arange(1, 90)
     lookup = pb.LookupRequest(table="item", ids=ids_bytes(ids))
@@ -124,6 +132,7 @@ def check_query_stream(stub, users: torch.Tensor, candidates: torch.Tensor) -> N
         fifth = stub.Query(fed(feeds[4]), timeout=30)
         code, details = code_of(lambda: next(fifth))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "4 Query streams" in details, (code, details)
+        assert streams_open(metrics) == 4
         feeds[0].put(None)  # the first stream ends; a new one is answered
         assert list(streams[0]) == []
         deadline = time.monotonic() + 10
@@ -220,7 +229,7 @@ def test_predict_equals_the_local_model_of_the_saved_state_and_score(tmp_path):
                 decode_features([feature("users", torch.zeros(MAX_IDS + 1, dtype=torch.int64))], MAX_IDS)
             assert many.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'users'" in str(many.value)
 
-            check_query_stream(stub, users, candidates)
+            check_query_stream(stub, metrics, users, candidates)
             with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as page:
                 text = page.read().decode()
             assert 'shardps_serving_calls_total{code="NOT_FOUND",method="Lookup"}' in text  # from the stream

@@ -282,8 +282,10 @@ def serve(replica, host: str = "127.0.0.1", port: int = 0, threads: int = 8, *,
     metrics = ServingMetrics(replica)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardps-serving"),
                          interceptors=list(interceptors))
-    pb_grpc.add_ServingServicer_to_server(_Servicer(replica, metrics, predictor, streams or max(1, threads // 2)),
-                                          server)
+    servicer = _Servicer(replica, metrics, predictor, streams or max(1, threads // 2))
+    pb_grpc.add_ServingServicer_to_server(servicer, server)
+    Gauge("shardps_serving_query_streams", f"Query streams open (at most {servicer.streams}; each holds a thread).",
+          registry=metrics.registry).set_function(lambda: servicer.open_streams)
     checks = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     bound = _bind(server, host, port, credentials, "--port")
