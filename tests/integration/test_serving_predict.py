@@ -15,7 +15,7 @@ the replica serves ``--model shardps.apps.movielens:serving_model``, then stops.
   answers; a refused query (an unknown table, a bad feature, an empty query) gets its code and message in its
   answer and the stream goes on; the queries are counted under their methods; a stream beyond the replica's
   most (half its 8 threads) ends with RESOURCE_EXHAUSTED (``shardps_serving_query_streams`` says 4), and one
-  closed makes room.
+  closed makes room; SIGTERM with a stream open ends it after the calls' 5 s grace and the replica exits 0.
 """
 
 from __future__ import annotations
@@ -236,6 +236,18 @@ def test_predict_equals_the_local_model_of_the_saved_state_and_score(tmp_path):
             assert 'shardps_serving_calls_total{code="OK",method="Predict"}' in text
             assert 'shardps_serving_calls_total{code="INVALID_ARGUMENT",method="Predict"}' in text
             assert 'shardps_serving_call_seconds_count{method="Predict"}' in text
+            # SIGTERM with a stream open: the stream gets the calls' grace (5 s), then ends; the replica exits 0
+            feed: queue.Queue = queue.Queue()
+            open_stream = stub.Query(iter(lambda: feed.get(timeout=30), None), timeout=60)
+            feed.put(pb.ServingQuery(tag=5, score=pb.ScoreRequest(user=7, items=ids_bytes(torch.arange(1, 9)))))
+            assert next(open_stream).tag == 5
+            signalled = time.monotonic()
+            assert serve.stop() == 0
+            assert time.monotonic() - signalled < 15, "the replica waited for the open stream past its grace"
+            code, _ = code_of(lambda: next(open_stream))
+            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), code
+            feed.put(None)
+            serve = None
             channel.close()
 
             # A replica that never read the dense parameters: UNAVAILABLE (the shards' state, read here).

@@ -32,19 +32,24 @@ from shardps.worker.embedding.local import local_model
 from shardps.worker.embedding.modules import ShardedTable, table_keys
 from shardps.worker.embedding.porting import replace_modules
 
-__all__ = ["PredictError", "Predictor", "decode_features", "load_factory"]
+__all__ = ["PredictError", "Predictor", "Refused", "decode_features", "load_factory"]
 
 #: TableSpec fields that decide a table's rows where the state holds none (its initial rows) and their shape:
 #: the model's table must agree with the served one on each, or its local model would not equal the job's.
 ROW_FIELDS = ("embedding_dim", "num_embeddings", "padding_idx", "seed", "init_scale", "init", "init_args")
 
 
-class PredictError(Exception):
-    """A Predict refused: ``code`` (a ``grpc.StatusCode``) and the message the caller gets."""
+class Refused(Exception):
+    """A Serving query refused: ``code`` (a ``grpc.StatusCode``) and the message the caller gets (its call ends
+    with them; on a ``Query`` stream its answer carries them and the stream goes on)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class PredictError(Refused):
+    """A Predict refused (its features, the served model or the state)."""
 
 
 def load_factory(text: str, flag: str = "--model") -> Callable[[], nn.Module]:

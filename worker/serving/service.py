@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from shardps.common.rows import ids_from
 from shardps.proto import shardps_pb2 as pb
 from shardps.proto import shardps_pb2_grpc as pb_grpc
-from shardps.worker.serving.predict import PredictError, decode_features
+from shardps.worker.serving.predict import Refused, decode_features
 
 __all__ = ["MAX_IDS", "ServingMetrics", "check_credentials", "serve", "serve_health"]
 
@@ -90,15 +90,6 @@ class _Positions:
         yield family
 
 
-class Refused(Exception):
-    """A query refused: ``code`` (a ``grpc.StatusCode``) and the message the caller gets (its call ends with them;
-    on a ``Query`` stream its answer carries them and the stream goes on)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _ids(data: bytes, what: str) -> torch.Tensor:
     if len(data) % 8 or len(data) // 8 > MAX_IDS:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -125,7 +116,7 @@ class _Servicer(pb_grpc.ServingServicer):
         code = "OK"
         try:
             return fn(request)
-        except (Refused, PredictError) as exc:
+        except Refused as exc:
             code = exc.code.name
             raise
         except Exception:
@@ -138,7 +129,7 @@ class _Servicer(pb_grpc.ServingServicer):
     def _unary(self, method: str, fn, request, context):
         try:
             return self._timed(method, fn, request)
-        except (Refused, PredictError) as exc:
+        except Refused as exc:
             context.abort(exc.code, str(exc))
 
     def _lookup(self, request) -> pb.LookupReply:
@@ -207,7 +198,7 @@ class _Servicer(pb_grpc.ServingServicer):
         method, fn = self.kinds[kind]
         try:
             return pb.ServingAnswer(tag=query.tag, **{kind: self._timed(method, fn, getattr(query, kind))})
-        except (Refused, PredictError) as exc:
+        except Refused as exc:
             return pb.ServingAnswer(tag=query.tag, code=exc.code.value[0], error=str(exc))
 
     def States(self, request, context):
