@@ -319,8 +319,9 @@ class DistributedOptimizer(StreamMarks, RoundSteps, JobView):
             raise
 
     def _rejoin_shard(self, shard: int) -> None:
-        """Join shard ``shard`` again now (its sparse tables found this worker gone: it restarted)."""
-        self.versions[shard] = self._recovery.rejoin(shard, "its sparse tables no longer knew this worker")
+        """Join shard ``shard`` again now (its sparse tables found this worker gone: it restarted); the training
+        thread pulls its dense partition before the next step (``Recovery.readmit``)."""
+        self._recovery.readmit(shard, "its sparse tables no longer knew this worker")
 
     # ------------------------------------------------------------ public API
     @property

@@ -157,6 +157,38 @@ def test_a_batch_the_shards_hold_is_skipped_and_a_gap_is_not_applied(tmp_path):
         assert [(p.partition, p.dense, p.rows) for p in position] == [("p", 5, 5)]
 
 
+def test_a_shard_joined_again_by_the_rows_thread_while_a_round_is_in_flight_is_pulled_by_the_training_thread(tmp_path):
+    """The race a stream trainer met at a shard restart: the thread sending table rows finds the restarted shard
+    and joins it again while the step's dense round, numbered for the killed process, is in flight to it. That
+    round's refusal must still read as the restart: the training thread pulls the restored version and training
+    goes on (it raised "pushed round 5 but the shard is collecting round 3" when the rows thread pulled and took
+    the shard's new incarnation for the one the round was sent to)."""
+    with ForkedCluster(2, extra_args=("--checkpoint-dir", str(tmp_path / "ckpt"))) as shards:
+        model, x, dist = job(shards.servers, "w0")
+        try:
+            for _ in range(3):
+                train(model, x, dist, [_Event(i) for i in range(8)])
+            dist.synchronize()
+            stats(shards, 1, "checkpoint")  # shard 1 at version 3
+            for _ in range(2):
+                train(model, x, dist, [_Event(i) for i in range(8)])
+            dist.synchronize()
+            assert dist.versions == [5, 5]
+            dist.zero_grad()
+            loss = -(model["emb"](torch.arange(8))[:, 0].sum()) - x.sum() * 8  # rows pulled from the old process
+            shards.restart(1, same_port=True)  # SIGKILL; back at version 3
+            loss.backward()  # round 5 opened on both shards
+            dist._rejoin_shard(1)  # what the rows thread does when its push finds the shard forgot this worker
+            dist.step()
+            dist.synchronize()  # the round failed on shard 1: joined again and pulled here, on this thread
+            assert dist.versions == [6, 3]
+            train(model, x, dist, [_Event(i) for i in range(8)])  # and training goes on from there
+            dist.synchronize()
+            assert dist.versions == [7, 4]
+        finally:
+            dist.close()
+
+
 class _Event:
     def __init__(self, i: int) -> None:
         self.fields = {"id": str(i)}

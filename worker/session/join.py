@@ -199,16 +199,15 @@ def join_job(
     raise AssertionError("unreachable")
 
 
-def rejoin_shard(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job_id: str,
-                 pull: Callable[[int, list], int]) -> tuple[int, str]:
-    """Join shard ``shard`` again (same session) and pull its current version into the model.
+def join_again(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job_id: str) -> pb.JoinReply:
+    """Join shard ``shard`` again (same session), without pulling: the shard knows this worker as a member again.
 
     Each Join is retried while the shard is unreachable (the client's
     ``RetryPolicy``), so a shard that is restarting is waited for, up to that
     policy's total time.
 
     Returns:
-        ``(version, incarnation)`` of the shard now.
+        The shard's Join reply (its ``version`` and ``incarnation`` now).
 
     Raises:
         ShardRpcError: the shard stayed unreachable, or refused (e.g. it restarted
@@ -229,6 +228,21 @@ def rejoin_shard(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job
             f"job {reply.job.job_id!r}, initialised={reply.job.initialised}): it was restarted without its "
             "checkpoint. Restart it with its --checkpoint-dir, or reset every shard to begin a new job"
         )
+    return reply
+
+
+def rejoin_shard(clients: Sequence[ShardClient], shard: int, join: JoinPlan, job_id: str,
+                 pull: Callable[[int, list], int]) -> tuple[int, str]:
+    """Join shard ``shard`` again (:func:`join_again`) and pull its current version into the model.
+
+    Returns:
+        ``(version, incarnation)`` of the shard now.
+
+    Raises:
+        ShardRpcError, RuntimeError: see :func:`join_again`; ShardRpcError also when the pull fails past
+            the retry budget.
+    """
+    reply = join_again(clients, shard, join, job_id)
     client = clients[shard]
     version = retry(lambda: pull(shard, []), client.retry, f"pull from shard {shard} ({client.address})",
                     lambda exc: getattr(exc, "code", None))

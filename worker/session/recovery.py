@@ -30,7 +30,10 @@ The rule, per shard (each shard decides alone; no worker is ever restarted):
 The heartbeat thread (``leases.py``) tells a restarted shard from a lost
 membership by the incarnation in the shard's Stats, and records the shard
 in :attr:`Recovery.restarted`: the training thread rejoins it between two
-steps (never while backward runs).
+steps (never while backward runs). The thread sending sparse table rows,
+finding a restarted shard first, only joins it again (:meth:`Recovery.readmit`)
+and leaves the pull to the training thread the same way: only the training
+thread writes the model's dense parameters and the per-shard versions.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from shardps.worker.session.client import ShardClient, ShardRpcError
-from shardps.worker.session.join import JoinPlan, rejoin_shard
+from shardps.worker.session.join import JoinPlan, join_again, rejoin_shard
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,24 @@ class Recovery:
                     "the shard restarted (rounds since its checkpoint are lost)" if restarted else "same process",
                     version)
         return version
+
+    def readmit(self, shard: int, why: str) -> None:
+        """Join shard ``shard`` again without pulling (its sparse tables found this worker gone: it restarted).
+
+        Called from the thread that sends table rows, which must not write the
+        model's dense parameters while the training thread runs: the shard is
+        queued in :attr:`restarted`, and the training thread pulls its partition
+        (:meth:`between_steps`, or :meth:`recover` when a round in flight fails
+        on it). The shard's recorded incarnation is left as it was, so that
+        round's failure still reads as the restart it is.
+
+        Raises:
+            ShardRpcError, RuntimeError: see :func:`shardps.worker.session.join.join_again`.
+        """
+        join_again(self.clients, shard, self.join, self.job_id)
+        self.restarted.add(shard)
+        log.warning("worker %s joined shard %d (%s) again after %s; its dense partition is pulled before the next "
+                    "step", self.join.worker_id, shard, self.clients[shard].address, why)
 
     def recover(self, failed: list[tuple[int, BaseException]]) -> tuple[dict[int, int], list, list]:
         """Rejoin the shards whose round failed because they restarted or were unreachable.
