@@ -10,14 +10,12 @@ the order a round goes through.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.procs import run_benchmark
+
 PHASES = {"forward", "forward_wait_for_pull", "backward", "step_call", "grad_copy_off_device", "push",
           "push_after_backward", "round_wait", "pull", "push_pull_overlap", "copy_onto_device", "pull_after_step"}
 MARKS = {"forward_end", "backward_end", "step_returned", "push_start", "push_end", "first_chunk_pulled",
@@ -27,14 +25,9 @@ MARKS = {"forward_end", "backward_end", "step_returned", "push_start", "push_end
 @pytest.mark.timeout(120)
 def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny", "--steps", "3",
-         "--warmup", "1", "--workloads", "transformer:2,transformer:4,mlp:4", "--shards", "2,4",
-         "--wire", "fp32,bf16", "--json", str(out)],
-        capture_output=True, text=True, timeout=110, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, stdout = run_benchmark("gpu", "--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--workloads",
+                                   "transformer:2,transformer:4,mlp:4", "--shards", "2,4", "--wire", "fp32,bf16",
+                                   out=out, timeout=110)
     assert result["device"] == "cpu" and "CPU" in result["device_name"] and result["machine"]["cores"] >= 1
     assert result["timed_steps"] == 2
     rows = {(r["workload"], r["samples_per_step"], r["system"]): r for r in result["rows"]}
@@ -71,4 +64,4 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path: Path) -> None:
             # bf16 gradients: half the bytes (parameters still come back in fp32, so the loss stays close)
             assert bf16["pushed_bytes_per_step"] < 0.6 * r["pushed_bytes_per_step"], (bf16, r)
             assert bf16["final_loss_abs_diff"] < 1e-2
-    assert "samples/s" in proc.stdout and "timeline" in proc.stdout
+    assert "samples/s" in stdout and "timeline" in stdout

@@ -11,14 +11,13 @@ MovieLens-100K, read in place from ``shared/data/ml-100k`` beside this checkout 
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.procs import run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or REPO.parent / "shared" / "data" / "ml-100k")
@@ -39,10 +38,7 @@ def constant_rmse() -> float:
 def test_online_benchmark_trains_every_event_in_both_modes(tmp_path: Path) -> None:
     assert (DATA / "u.data").is_file(), f"MovieLens-100K is not at {DATA}: set SHARDPS_MOVIELENS_DIR"
     out = tmp_path / "online.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "online.py"), "--quick", "--json", str(out),
-                           "--data-dir", str(DATA)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark("online", "--quick", "--data-dir", str(DATA), out=out, timeout=120)
     streamed = result["streamed"]
     assert streamed == STREAMED and result["warm"] == WARM
     guess = constant_rmse()

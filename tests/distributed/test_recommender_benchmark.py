@@ -9,14 +9,13 @@ the first), and the goal has a computed verdict. The data is MovieLens-100K, rea
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.procs import run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or REPO.parent / "shared" / "data" / "ml-100k")
@@ -26,10 +25,7 @@ DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR") or REPO.parent / "shared" / 
 @pytest.mark.timeout(240)
 def test_recommender_benchmark_runs_every_row(tmp_path: Path) -> None:
     out = tmp_path / "recommender.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "recommender.py"), "--quick", "--json", str(out),
-                           "--data-dir", str(DATA)], capture_output=True, text=True, timeout=180, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark("recommender", "--quick", "--data-dir", str(DATA), out=out, timeout=180)
     assert {(r["workers"], r["shards"]) for r in result["rows"]} == {(1, 1), (2, 2)}
     steps = result["steps"] + result["warmup"]
     for row in result["rows"]:

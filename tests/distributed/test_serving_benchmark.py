@@ -10,7 +10,6 @@ histogram of per-event freshness agrees with the probe's, bucket for bucket.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.procs import run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR", REPO.parent / "shared" / "data" / "ml-100k"))
@@ -27,12 +28,9 @@ DATA = Path(os.environ.get("SHARDPS_MOVIELENS_DIR", REPO.parent / "shared" / "da
 def test_serving_benchmark_answers_every_query_while_training(tmp_path: Path) -> None:
     assert (DATA / "u.data").is_file(), f"MovieLens-100K is not at {DATA}: set SHARDPS_MOVIELENS_DIR"
     out = tmp_path / "serving.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving.py"), "--seconds", "4", "--repeats", "1",
-                           "--qps", "40", "--client-api", "both", "--limit", "3000", "--rate", "1000", "--warm-epochs", "1", "--data-dir", str(DATA),
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark("serving", "--seconds", "4", "--repeats", "1", "--qps", "40", "--client-api", "both",
+                              "--limit", "3000", "--rate", "1000", "--warm-epochs", "1", "--data-dir", str(DATA),
+                              out=out, timeout=400)
     assert sorted((r["kind"], r.get("api")) for r in result["runs"]) == [
         ("alone", None), ("served", "stream"), ("served", "unary")]  # --client-api both: a call each, one stream
     assert all(r["steps"] > 0 for r in result["runs"])

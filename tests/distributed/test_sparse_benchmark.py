@@ -7,23 +7,17 @@ per row is reported from their Prometheus endpoints, and every target has a comp
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.procs import run_benchmark
 
 
 @pytest.mark.slow
 def test_sparse_benchmark_moves_only_the_touched_rows(tmp_path: Path) -> None:
     out = tmp_path / "sparse.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sparse.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark("sparse", "--quick", out=out, timeout=600)
     assert set(result["grid"]) == {"1x1", "2x2"}
     for name, run in result["grid"].items():
         assert "error" not in run, (name, run)

@@ -7,24 +7,18 @@ agree to 1e-4 (the comparison is of equal work), and the ratios are computed.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.procs import run_benchmark
 
 
 @pytest.mark.slow
 def test_torchrec_comparison_trains_every_system_to_the_same_loss(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "torchrec_compare.py"), "--quick", "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark("torchrec_compare", "--quick", out=out, timeout=600)
     (round_,) = result["rounds"]
     systems = {k: v for k, v in round_.items() if isinstance(v, dict)}
     assert {"torchrec_1", "torch", "shardps"} <= set(systems), sorted(systems)

@@ -9,23 +9,14 @@ exceeds what its measured CPU work per step allows on this machine's cores.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.procs import run_benchmark
 
 
 def test_train_benchmark_matches_ddp_math(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "train.py"), "--model", "mlp", "--steps", "7",
-         "--batch-size", "16", "--json", str(out)],
-        capture_output=True, text=True, timeout=400, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, stdout = run_benchmark("train", "--model", "mlp", "--steps", "7", "--batch-size", "16", out=out,
+                                   timeout=400)
     # DDP and ZeRO step every parameter whole with fused AdamW: the same kernel over the same tensors, bit for bit
     assert result["ddp"]["final_loss"] == result["zero"]["final_loss"]
     # The shards run fused AdamW too, but the 2-shard plan cuts 2.weight at an element that is not a multiple of
@@ -56,4 +47,4 @@ def test_train_benchmark_matches_ddp_math(tmp_path: Path) -> None:
     step_ms = 1e3 * 2 * result["per_worker_batch"] / result["shardps_node"]["samples_per_s"]
     assert sum(phases.values()) <= step_ms, (phases, step_ms)
     assert "met" in result["node_goal"]  # the goal is reported for the MLP, never asserted
-    assert "samples/s" in proc.stdout and "x DDP" in proc.stdout
+    assert "samples/s" in stdout and "x DDP" in stdout

@@ -7,26 +7,17 @@ the rates' quotients.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.procs import run_benchmark
 
 
 @pytest.mark.timeout(240)
 def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     out = tmp_path / "wire.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "wire.py"), "--repeats", "1", "--channels", "1,2",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=220, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, stdout = run_benchmark("wire", "--repeats", "1", "--channels", "1,2", out=out, timeout=220)
     for key in ("shardps_gbps", "shardps_bf16_wire_gbps", "shardps_push_then_pull_gbps",
                 "shardps_stream_processes_gbps", "grpc_ceiling_gbps",
                 "tcp_ceiling_gbps",
@@ -40,7 +31,7 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     assert r["goal"]["met"] == (r["goal"]["ratio"] >= r["goal"]["min_ratio_to_grpc_multi_channel"])
     assert r["ratio_push_then_pull_to_grpc_multi_channel"] == pytest.approx(
         r["shardps_push_then_pull_gbps"] / r["grpc_multi_channel_ceiling_gbps"])
-    assert "push+pull" in proc.stdout
+    assert "push+pull" in stdout
     # every call is charged with its CPU time: this process's (getrusage) and each server process's (/proc)
     accounts = r["cpu_seconds_per_round"]
     assert set(accounts) == {"tcp", "grpc", "grpc_2", "echo_1", "echo_2", "shardps", "shardps_plain", "shardps_procs"}
@@ -60,4 +51,4 @@ def test_wire_benchmark_reports_every_ceiling(tmp_path: Path) -> None:
     assert goal["round_seconds_at_goal"] == pytest.approx(
         2 * r["model_bytes"] / (goal["min_ratio_to_grpc_multi_channel"] * r["grpc_multi_channel_ceiling_gbps"] * 1e9))
     assert goal["cpu_seconds_per_round_at_goal_all_cores"] == pytest.approx(goal["round_seconds_at_goal"] * r["cores"])
-    assert "CPU per round" in proc.stdout
+    assert "CPU per round" in stdout

@@ -25,6 +25,23 @@ def benchmark_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path[:] = saved  # some benchmarks add their folder too
+
+
+def run_benchmark(name: str, *args: str, out: Path, timeout: float) -> tuple[dict, str]:
+    """Run ``benchmarks/<name>.py *args --json out`` from the repository root (a process of its own, at most
+    ``timeout`` seconds) and assert it exited 0 (the tails of its output in the message).
+
+    Returns:
+        ``(its JSON, what it printed on stdout)``.
+    """
+    import json
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 #: ``SHARDPS_TEST_EXEC=1``: worker processes start cold (``python -m``) instead of forked from the forkserver.
 EXEC = os.environ.get("SHARDPS_TEST_EXEC") == "1"
 
